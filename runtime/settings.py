@@ -1,0 +1,82 @@
+"""The one Settings object for every Kiln process (runtime, converter, API, worker).
+
+Values come from `KILN_*` environment variables (or a `.env` file). Embedded defaults need no
+external service: SQLite under `data_dir`, a local artifact directory, and jobs run in-process.
+Outside development, default secrets are refused.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+DEFAULT_SECRET = "change-me"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", env_file=".env", extra="ignore")
+
+    environment: Literal["development", "test", "production"] = "development"
+
+    # --- storage and metadata -------------------------------------------------------------
+    data_dir: Path = Path("./var")
+    database_url: str = ""  # empty: sqlite:///{data_dir}/kiln.db
+    store_url: str = ""  # empty: local directory {data_dir}/artifacts; or s3://bucket/prefix
+    cache_dir: Path = Path("~/.cache/kiln").expanduser()  # pulled artifacts on serving nodes
+
+    # --- S3 ---------------------------------------------------------------------------------
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_multipart_chunk_mb: int = 16
+    s3_max_concurrency: int = 4
+    s3_max_attempts: int = 5
+    presigned_url_ttl_s: int = 3600
+
+    # --- broker / worker ----------------------------------------------------------------------
+    broker_url: str = ""  # empty: jobs run in a worker thread inside `kiln api` (embedded mode)
+    max_job_attempts: int = 3
+    job_soft_time_limit_s: int = 3 * 3600
+    job_hard_time_limit_s: int = 3 * 3600 + 600
+    broker_visibility_timeout_s: int = 4 * 3600
+
+    # --- API --------------------------------------------------------------------------------
+    secret_key: str = DEFAULT_SECRET
+    max_request_bytes: int = 1 << 20
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # --- kernels / runtime --------------------------------------------------------------------
+    disabled_kernels: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    num_threads: int = 0  # 0: torch default
+
+    @field_validator("disabled_kernels", "cors_origins", mode="before")
+    @classmethod
+    def _split_csv(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [item.strip() for item in v.split(",") if item.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _refuse_default_secrets(self) -> Settings:
+        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
+            raise ValueError("KILN_SECRET_KEY is the default; set a real secret in production")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'kiln.db').resolve()}"
+
+    @property
+    def resolved_store_url(self) -> str:
+        return self.store_url or str((self.data_dir / "artifacts").resolve())
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
