@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m runtime.demo
+	$(PY) -m services.demo
 
 test: install
 	bash infra/ensure-services.sh
