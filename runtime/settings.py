@@ -45,11 +45,25 @@ class Settings(BaseSettings):
     job_soft_time_limit_s: int = 3 * 3600
     job_hard_time_limit_s: int = 3 * 3600 + 600
     broker_visibility_timeout_s: int = 4 * 3600
+    broker_restore_interval_s: int | None = None  # kombu's unacked_restore_interval (None: its default)
+    celery_queue: str = "kiln"
+    job_heartbeat_s: float = 5.0  # a running job touches its row this often
+    job_stale_after_s: float = 120.0  # reconciler: running job with no heartbeat for this long is orphaned
+    reconcile_interval_s: float = 60.0  # 0 disables the reconciler thread in `kiln worker`
+    progress_write_interval_s: float = 1.0  # throttle for progress writes to SQL
+    job_retry_backoff_s: float = 5.0  # first backoff on transient S3/DB errors (doubles per attempt)
+    # Test / demo aid, a real code path: sleep this long between layers (in the cancellation check)
+    # so that tests can kill or cancel a conversion mid-flight. 0 in production.
+    convert_layer_delay_s: float = 0.0
 
     # --- API --------------------------------------------------------------------------------
     secret_key: str = DEFAULT_SECRET
     max_request_bytes: int = 1 << 20
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_page_size_max: int = 200
+    # Conversions of server-local paths over the API: None = allowed in development/test only.
+    allow_local_sources: bool | None = None
+    embedded_workers: int = 1  # worker threads inside `kiln api` when broker_url is empty
 
     # --- kernels / runtime --------------------------------------------------------------------
     disabled_kernels: Annotated[list[str], NoDecode] = Field(default_factory=list)

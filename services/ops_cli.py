@@ -1,9 +1,162 @@
-"""Command registration (filled in by the owning package)."""
+"""Service commands: `kiln api`, `kiln worker`, `kiln db upgrade|downgrade|current`, `kiln admin ...`."""
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+
+from runtime.settings import get_settings
+
+log = logging.getLogger(__name__)
+console = Console(stderr=True)
+db_app = typer.Typer(help="Database migrations (Alembic); run `kiln db upgrade` before starting services.")
+admin_app = typer.Typer(help="Administration: API tokens, reconciliation.")
+
+
+def _is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def ensure_schema_for_api() -> None:
+    """Embedded SQLite: upgrade at start (one command gives a working service). Otherwise refuse to
+    start on an out-of-date schema: migrations are their own step in production."""
+    from services.db import migrate
+
+    settings = get_settings()
+    url = settings.resolved_database_url
+    if _is_sqlite(url):
+        migrate.upgrade(url)
+        return
+    if not migrate.is_up_to_date(url):
+        raise typer.BadParameter(
+            f"database schema is at {migrate.current(url)!r}, code expects {migrate.head()!r}: "
+            "run `kiln db upgrade` first"
+        )
+
+
+def ensure_bootstrap_token() -> None:
+    """Embedded mode with no token yet: create an admin token and save it (0600) under data_dir."""
+    from services.db import repo
+    from services.db.session import session_scope
+
+    settings = get_settings()
+    with session_scope(settings) as s:
+        if repo.count_tokens(s):
+            return
+        plain, _ = repo.create_token(s, "bootstrap-admin", is_admin=True)
+    path = settings.data_dir / "admin-token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(plain + "\n")
+    console.print(f"[bold]created an admin API token[/bold]; saved to {path.resolve()}")
+
+
+def api(
+    host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+) -> None:
+    """Serve the REST API. With no KILN_BROKER_URL, jobs run in worker threads inside this process."""
+    import uvicorn
+
+    from services.api.app import create_app
+
+    settings = get_settings()
+    ensure_schema_for_api()
+    if not settings.broker_url and _is_sqlite(settings.resolved_database_url):
+        ensure_bootstrap_token()
+    mode = "celery on " + settings.broker_url if settings.broker_url else "embedded worker"
+    console.print(f"kiln api on http://{host}:{port} ({mode}; store {settings.resolved_store_url})")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
+
+
+def worker(
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Worker processes")] = 1,
+    loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO",
+) -> None:
+    """Run a Celery worker (prefork) consuming conversion jobs from KILN_BROKER_URL."""
+    settings = get_settings()
+    if not settings.broker_url:
+        raise typer.BadParameter("KILN_BROKER_URL is not set: `kiln worker` needs a Redis broker")
+    from services.worker.app import app as celery_app
+
+    celery_app.worker_main(
+        [
+            "worker",
+            "--pool=prefork",
+            f"--concurrency={concurrency}",
+            f"--loglevel={loglevel}",
+            "-Q",
+            settings.celery_queue,
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from services.db import migrate
+
+    migrate.upgrade(get_settings().resolved_database_url, revision)
+    console.print(f"database at {migrate.current(get_settings().resolved_database_url)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument()] = "-1") -> None:
+    """Revert migrations down to REVISION (default: one step; `base` empties the schema)."""
+    from services.db import migrate
+
+    migrate.downgrade(get_settings().resolved_database_url, revision)
+    console.print(f"database at {migrate.current(get_settings().resolved_database_url)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's current revision and the code's head."""
+    from services.db import migrate
+
+    url = get_settings().resolved_database_url
+    typer.echo(f"current: {migrate.current(url)}  head: {migrate.head()}")
+
+
+@admin_app.command("create-token")
+def create_token(
+    name: Annotated[str, typer.Option(help="A label for the token")] = "cli",
+    admin: Annotated[bool, typer.Option("--admin", help="May delete artifacts")] = False,
+    out: Annotated[Path | None, typer.Option(help="Write the token to this file (0600) too")] = None,
+) -> None:
+    """Create an API token; it is printed once (only its sha256 is stored)."""
+    from services.db import repo
+    from services.db.session import session_scope
+
+    with session_scope(get_settings()) as s:
+        plain, _ = repo.create_token(s, name, is_admin=admin)
+    if out is not None:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(plain + "\n")
+    typer.echo(plain)
+
+
+@admin_app.command("reconcile")
+def reconcile() -> None:
+    """Re-enqueue queued/running jobs that have no live broker message (e.g. after a Redis restart)."""
+    from services.worker.reconcile import reconcile_once
+
+    ids = reconcile_once(get_settings())
+    typer.echo(f"re-enqueued {len(ids)} job(s)" + (": " + ", ".join(ids) if ids else ""))
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the `kiln` app."""
+    app.command("api")(api)
+    app.command("worker")(worker)
+    app.add_typer(db_app, name="db")
+    app.add_typer(admin_app, name="admin")

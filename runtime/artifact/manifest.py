@@ -52,7 +52,7 @@ class Rejection(_Model):
 
 class LayerVerification(_Model):
     ok: bool
-    metric: Literal["exact", "max_rel_err"]
+    metric: Literal["exact", "max_rel_err", "max_step_err"]  # max_step_err: in units of the int step
     value: float  # 0.0 for exact matches
     bound: float  # the documented bound the value was checked against
 

@@ -1,0 +1,1 @@
+"""SQL metadata (SQLAlchemy 2): models, engine/session helpers and repository functions."""

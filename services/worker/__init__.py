@@ -1,0 +1,1 @@
+"""Job execution edges: the Celery app and task, the embedded worker, the reconciler."""

@@ -1,0 +1,112 @@
+"""AutoAWQ "GEMM" checkpoints (formats.md §2) <-> canonical `IntWeight`, and vLLM's AWQ -> standard step.
+
+    qweight (K, N * bits / 32) int32   packed along N in AWQ order: nibble i of int32 column c holds
+                                       output column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] (8-bit: [0, 2, 1, 3])
+    qzeros  (G, N * bits / 32) int32   same order; stores the zero itself (no -1)
+    scales  (G, N) float
+Groups are contiguous (no g_idx).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kernels.base import IntWeight
+from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols
+from kernels.errors import LayoutError
+
+AWQ_PACK_ORDER: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
+
+
+def decode_awq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    group_size: int,
+    bits: int = 4,
+) -> IntWeight:
+    """Unpack one AWQ-GEMM layer (zero_point=True) into unsigned codes (N, K) and zeros (G, N)."""
+    _check(qweight, qzeros, bits)
+    k = qweight.shape[0]
+    n = scales.shape[1]
+    if qweight.shape[1] * 32 // bits != n or scales.shape[0] != qzeros.shape[0]:
+        raise LayoutError(
+            f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+            f"scales {tuple(scales.shape)} (expected (K, N/{32 // bits}), (G, N/{32 // bits}), (G, N))"
+        )
+    g = scales.shape[0]
+    expected_g = 1 if group_size in (-1, 0) else k // group_size
+    if g != expected_g:
+        raise LayoutError(f"AWQ K={k} with group_size={group_size} needs {expected_g} scale rows, got {g}")
+    codes = awq_unpack(qweight, bits)  # (K, N)
+    zeros = awq_unpack(qzeros, bits)  # (G, N)
+    return IntWeight(
+        codes=codes.T.contiguous(), scales=scales, bits=bits, group_size=group_size, zeros=zeros
+    )
+
+
+def encode_awq(w: IntWeight) -> dict[str, torch.Tensor]:
+    """Pack an `IntWeight` the way AutoAWQ's WQLinear_GEMM.from_linear writes it."""
+    if w.g_idx is not None:
+        raise LayoutError("AWQ has no g_idx: act-order weights cannot be written as AWQ")
+    n = w.codes.shape[0]
+    zeros = (
+        torch.full((w.scales.shape[0], n), 1 << (w.bits - 1), dtype=torch.uint8)
+        if w.zeros is None
+        else w.zeros
+    )
+    return {
+        "qweight": awq_pack(w.codes.T, w.bits),  # (K, N * bits / 32) int32
+        "qzeros": awq_pack(zeros, w.bits),  # (G, N * bits / 32) int32
+        "scales": w.scales,  # (G, N)
+    }
+
+
+def awq_to_standard(
+    qweight: torch.Tensor, qzeros: torch.Tensor, *, bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's `_convert_awq_to_standard_format` (formats.md §2.3).
+
+    Returns (qweight_std (K * bits / 32, N) int32 packed along K, unsigned codes without bias;
+             zero_point (N * bits / 32, G) int32, the compressed-tensors weight_zero_point layout).
+    """
+    _check(qweight, qzeros, bits)
+    codes = awq_unpack(qweight, bits)  # (K, N)
+    zeros = awq_unpack(qzeros, bits)  # (G, N)
+    return pack_rows(codes, bits), pack_rows(zeros.T, bits)
+
+
+def awq_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, C * bits / 32) int32 in AWQ order -> (R, C) uint8 in natural column order."""
+    r, words = packed.shape
+    pf = 32 // bits
+    raw = unpack_cols(packed, bits, words * pf)  # field order
+    return raw.reshape(r, words, pf)[..., _inverse_order(bits)].reshape(r, -1)
+
+
+def awq_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, C) unsigned codes in natural order -> (R, C * bits / 32) int32 in AWQ order."""
+    if bits not in AWQ_PACK_ORDER:
+        raise LayoutError(f"AWQ packing exists for 4 and 8 bits, not {bits}")
+    r, c = q.shape
+    pf = 32 // bits
+    if c % pf:
+        raise LayoutError(f"AWQ packs {pf} columns per int32; {c} columns is not a multiple")
+    order = torch.tensor(AWQ_PACK_ORDER[bits])
+    return pack_cols(q.reshape(r, c // pf, pf)[..., order].reshape(r, c), bits)
+
+
+@cache
+def _inverse_order(bits: int) -> torch.Tensor:
+    return torch.argsort(torch.tensor(AWQ_PACK_ORDER[bits]))
+
+
+def _check(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int) -> None:
+    if bits not in AWQ_PACK_ORDER:
+        raise LayoutError(f"AWQ-GEMM checkpoints are 4-bit (vLLM also knows 8-bit); got {bits}-bit")
+    for name, t in (("qweight", qweight), ("qzeros", qzeros)):
+        if t.dtype != torch.int32 or t.dim() != 2:
+            raise LayoutError(f"AWQ {name} must be a 2-D int32 tensor, got {t.dtype} {tuple(t.shape)}")

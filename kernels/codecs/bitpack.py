@@ -1,0 +1,161 @@
+"""Standard bit packing of small unsigned integers into little-endian int32 words (formats.md §0, §1.1).
+
+"Standard packing": element ``t`` of a run of ``pf = 32 // bits`` consecutive elements sits in bits
+``[bits*t, bits*t + bits)`` of its word, low bits first. 2/4/8-bit packing is built from byte
+packing plus a little-endian reinterpretation of 4 bytes as one int32, so values with the top bit set
+wrap into negative int32 exactly as a C uint32 -> int32 cast would. 3-bit packing follows AutoGPTQ:
+every 32 consecutive values form one 96-bit little-endian bit stream stored as 3 int32 words.
+
+`*_rows` pack along dim 0 (GPTQ qweight, CT zero points), `*_cols` along dim 1 (GPTQ qzeros,
+CT weight_packed). A dimension that is not a multiple of the pack unit is zero-padded on packing
+(compressed-tensors' ``ceil(K / pf)``) and cut back to the requested length on unpacking.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernels.errors import LayoutError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("kernels.codecs.bitpack reinterprets bytes as little-endian int32 words")
+
+
+def values_per_word(bits: int) -> float:
+    """Values per int32 word (32/3 for 3-bit)."""
+    _check_bits(bits)
+    return 32 / bits
+
+
+def packed_length(length: int, bits: int) -> int:
+    """int32 words that hold `length` values (padded up to a whole pack unit)."""
+    _check_bits(bits)
+    unit, words = _unit(bits)
+    return -(-length // unit) * words
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """(K, N) integer codes in [0, 2**bits) -> (ceil(K*bits/32), N) int32, packed along dim 0."""
+    _check_2d(q, "q")
+    return pack_cols(q.T, bits).T.contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """(K*bits/32, N) int32 -> (K, N) uint8: the inverse of `pack_rows`, keeping the first `k` rows."""
+    _check_2d(packed, "packed")
+    return unpack_cols(packed.T, bits, k).T.contiguous()
+
+
+def pack_cols(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, C) integer codes in [0, 2**bits) -> (R, ceil(C*bits/32)) int32, packed along dim 1."""
+    _check_2d(q, "q")
+    _check_bits(bits)
+    codes = _as_codes(q, bits)
+    unit, _ = _unit(bits)
+    rows, cols = codes.shape
+    pad = -cols % unit
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    if bits == 3:
+        return _pack3(codes)
+    per_byte = 8 // bits
+    grouped = codes.reshape(rows, -1, per_byte)
+    packed_bytes = grouped[..., 0].clone()
+    for t in range(1, per_byte):  # at most 3 iterations: fields inside one byte
+        packed_bytes |= grouped[..., t] << (bits * t)
+    return packed_bytes.view(torch.int32)  # (R, C*bits/32) int32, little-endian bytes
+
+
+def unpack_cols(packed: torch.Tensor, bits: int, c: int) -> torch.Tensor:
+    """(R, C*bits/32) int32 -> (R, C) uint8: the inverse of `pack_cols`, keeping the first `c` columns."""
+    _check_2d(packed, "packed")
+    _check_bits(bits)
+    if packed.dtype != torch.int32:
+        raise LayoutError(f"packed tensor must be int32, got {packed.dtype}")
+    capacity = packed_capacity(packed.shape[1], bits)
+    if c > capacity or c < 0:
+        raise LayoutError(f"cannot unpack {c} {bits}-bit values from {packed.shape[1]} int32 words per row")
+    if bits == 3:
+        return _unpack3(packed.contiguous())[:, :c].contiguous()
+    raw = packed.contiguous().view(torch.uint8)  # (R, 4 * words)
+    if bits == 8:
+        return raw[:, :c].clone() if c < raw.shape[1] else raw.clone()
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    out = torch.empty(raw.shape[0], raw.shape[1], per_byte, dtype=torch.uint8)
+    for t in range(per_byte):
+        torch.bitwise_and(raw >> (bits * t), mask, out=out[..., t])
+    return out.reshape(raw.shape[0], -1)[:, :c].contiguous()
+
+
+def packed_capacity(words: int, bits: int) -> int:
+    """How many values `words` int32 words hold (whole 3-word units for 3-bit)."""
+    unit, per_unit = _unit(bits)
+    return (words // per_unit) * unit
+
+
+def wrap_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 with the same bit pattern (two's complement wrap)."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _unit(bits: int) -> tuple[int, int]:
+    """(values, words) of the smallest whole packing unit."""
+    return (32, 3) if bits == 3 else (32 // bits, 1)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise LayoutError(f"bit width {bits} is not supported; packing supports {SUPPORTED_BITS}")
+
+
+def _check_2d(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 2:
+        raise LayoutError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def _as_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Validate the range of integer codes and return them as uint8."""
+    if q.dtype.is_floating_point or q.dtype == torch.bool:
+        raise LayoutError(f"codes must be an integer tensor, got {q.dtype}")
+    if q.dtype == torch.uint8 and bits == 8:
+        return q.contiguous()
+    if q.numel():
+        lo, hi = int(q.min()), int(q.max())
+        if lo < 0 or hi >= (1 << bits):
+            raise LayoutError(
+                f"{bits}-bit codes must lie in [0, {(1 << bits) - 1}], found values in [{lo}, {hi}]"
+            )
+    return q.to(torch.uint8).contiguous()
+
+
+def _pack3(codes: torch.Tensor) -> torch.Tensor:
+    """(R, 32*u) uint8 -> (R, 3*u) int32: each 32 values form one 96-bit little-endian bit stream."""
+    rows = codes.shape[0]
+    v = codes.reshape(rows, -1, 32).to(torch.int64)
+    words = []
+    for w in range(3):  # the three words of a unit; each gathers the values overlapping it
+        j = torch.arange(32)
+        start = 3 * j - 32 * w
+        hit = (start > -3) & (start < 32)
+        j, start = j[hit], start[hit]
+        part = (v[..., j] >> (-start).clamp(min=0)) << start.clamp(min=0)
+        words.append((part & 0xFFFFFFFF).sum(-1))
+    return wrap_int32(torch.stack(words, -1).reshape(rows, -1))
+
+
+def _unpack3(packed: torch.Tensor) -> torch.Tensor:
+    """(R, 3*u) int32 -> (R, 32*u) uint8, inverse of `_pack3`."""
+    rows = packed.shape[0]
+    w = packed.reshape(rows, -1, 3).to(torch.int64) & 0xFFFFFFFF
+    lo64 = w[..., 0] | (w[..., 1] << 32)  # stream bits 0..63 (bit 63 lands in the sign, harmless)
+    hi64 = w[..., 1] | (w[..., 2] << 32)  # stream bits 32..95
+    j = torch.arange(32)
+    use_hi = 3 * j + 3 > 64
+    shift = torch.where(use_hi, 3 * j - 32, 3 * j)
+    src = torch.where(use_hi[None, None, :], hi64[..., None], lo64[..., None])
+    return ((src >> shift) & 7).to(torch.uint8).reshape(rows, -1)

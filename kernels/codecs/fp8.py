@@ -1,0 +1,116 @@
+"""FP8 e4m3fn quantization with vLLM's semantics (formats.md §5.2, §5.3) and an exact e4m3 rounding.
+
+Strategies (all scales are multipliers, w ~= q * scale, float32):
+* "tensor":  scale = amax / 448 per shard (one per entry of `shard_sizes`, as a checkpoint holding
+             q/k/v or gate/up separately would have), no lower clamp; q = cvt(clamp(w * (1/scale))).
+* "channel": scale = amax(row) / 448, same reciprocal multiply.
+* "block":   DeepGEMM's per_block_cast_to_fp8: zero-pad to whole blocks, amax per block clamped at
+             1e-4, sf = amax / 448, q = (w * (1/sf)).to(fp8); sf (ceil(N/bn), ceil(K/bk)).
+Zero rows / shards (tensor, channel): amax 0 gives scale 0 (vLLM's per-tensor path has no clamp);
+there we emit code 0 instead of the NaN that `0 * (1/0)` would give, so the dequantized weight is
+exactly 0. vLLM's CUDA clamp drops that NaN to 448, which also dequantizes to 0 * 448 = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.base import Fp8Strategy, Fp8Weight
+from kernels.errors import LayoutError
+
+E4M3_MAX = 448.0
+BLOCK_AMAX_FLOOR = 1e-4  # per_block_cast_to_fp8's clamp
+_E4M3_MIN_NORMAL = 2.0**-6
+_E4M3_SUBNORMAL_STEP = 2.0**-9
+
+
+def quantize_fp8(
+    w: torch.Tensor,
+    strategy: Fp8Strategy,
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    shard_sizes: tuple[int, ...] = (),
+) -> Fp8Weight:
+    """(N, K) float weight -> `Fp8Weight` (e4m3fn codes + float32 multiplier scales)."""
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise LayoutError(f"FP8 quantization needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
+    n, _ = w.shape
+    if strategy == "tensor":
+        sizes = tuple(shard_sizes) or (n,)
+        if sum(sizes) != n:
+            raise LayoutError(f"shard_sizes {sizes} sum to {sum(sizes)}, but the weight has N={n} rows")
+        amax = torch.stack([part.abs().amax().float() for part in torch.split(w, list(sizes))])
+        scale = amax / E4M3_MAX  # (S,) float32
+        row_scale = torch.repeat_interleave(scale, torch.tensor(sizes))[:, None]
+        q = _static_quant(w, row_scale)
+        return Fp8Weight(weight=q, scale=scale, strategy="tensor", shard_sizes=tuple(shard_sizes))
+    if strategy == "channel":
+        scale = w.abs().amax(dim=1).float() / E4M3_MAX  # (N,) float32
+        return Fp8Weight(weight=_static_quant(w, scale[:, None]), scale=scale, strategy="channel")
+    if strategy == "block":
+        q, sf = _block_quant(w, block_size)
+        return Fp8Weight(weight=q, scale=sf, strategy="block", block_size=tuple(block_size))
+    raise LayoutError(f"unknown FP8 strategy {strategy!r}; use 'tensor', 'channel' or 'block'")
+
+
+def requantize_to_max_scale(w: Fp8Weight) -> Fp8Weight:
+    """vLLM's `requantize_with_max_scale`: fused per-tensor shards -> one scale (max over shards).
+
+    Each shard is dequantized as `weight.to(float16) * scale[i]` (torch type promotion keeps that
+    product in float16, the scale rounded to float16 first) and requantized with the static kernel:
+    cvt(clamp(x * (1 / max_scale))). Bytes may change even when all shard scales are equal.
+    """
+    if w.strategy != "tensor":
+        raise LayoutError(f"requantize_to_max_scale applies to per-tensor FP8 weights, not {w.strategy!r}")
+    n, _ = w.weight.shape
+    sizes = w.shard_sizes or (n,)
+    scale = w.scale.float().reshape(-1)
+    if len(sizes) != scale.numel():
+        raise LayoutError(f"{scale.numel()} per-tensor scales for {len(sizes)} shards {sizes}")
+    max_s = scale.max()
+    parts = [
+        part.to(torch.float16) * scale[i] for i, part in enumerate(torch.split(w.weight, list(sizes)))
+    ]
+    deq = torch.cat(parts).float()
+    q = _static_quant(deq, max_s.reshape(1, 1))
+    return Fp8Weight(weight=q, scale=max_s.reshape(1), strategy="tensor", bias=w.bias)
+
+
+def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float32 values exactly representable in e4m3fn: RNE, saturating at ±448, NaN kept.
+
+    Normals (|x| >= 2^-6): add the round-to-nearest-even bias to the fp32 bit pattern and clear all
+    but 3 mantissa bits. Subnormals: round to a multiple of 2^-9 (torch.round is half-to-even).
+    Casting the result to float8_e4m3fn is then exact, which sidesteps the Triton interpreter's
+    faulty fp32 -> e4m3 downcast (toolchain.md).
+    """
+    if x.dtype != torch.float32:
+        raise LayoutError(f"round_to_e4m3_grid takes float32, got {x.dtype}")
+    c = x.clamp(-E4M3_MAX, E4M3_MAX)
+    bits = c.view(torch.int32)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & ~0xFFFFF).view(torch.float32)
+    sub = torch.round(c / _E4M3_SUBNORMAL_STEP) * _E4M3_SUBNORMAL_STEP
+    out = torch.where(c.abs() < _E4M3_MIN_NORMAL, sub, normal)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def _static_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """cvt_e4m3(clamp(w * (1/scale), ±448)), computed in float32; a zero scale gives code 0."""
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    return (w.float() * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _block_quant(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    bn, bk = block_size
+    if bn <= 0 or bk <= 0:
+        raise LayoutError(f"FP8 block size must be positive, got {block_size}")
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=w.dtype)
+    padded[:n, :k] = w
+    view = padded.view(nb, bn, kb, bk)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(BLOCK_AMAX_FLOOR)
+    sf = amax / E4M3_MAX  # (nb, 1, kb, 1) float32
+    q = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
+    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), sf.view(nb, kb)

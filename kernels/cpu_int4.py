@@ -1,0 +1,281 @@
+"""cpu_int4: 4-bit weight-only GEMM on CPU through torch's tinygemm port.
+
+Runs `torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group, scales_and_zeros)` on weights
+packed by `torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes (N, K) int32, inner_k_tiles)`.
+
+Facts measured on torch 2.13 (CPU):
+- The matmul dequantizes `w = (q - 8) * scale + zero` in fp32 (q the unsigned 4-bit code), so a
+  checkpoint's `w = (q - z) * s` maps to scale `s` and zero `(8 - z) * s` (symmetric: zero 0).
+- x, scales_and_zeros and the output share one dtype. Only bf16 has a vectorized kernel: on a
+  2048x2048 layer at M=1 bf16 took ≈0.08 ms, fp32 ≈4 ms, fp16 ≈5 ms. So activations run in bf16
+  (the kernel accumulates in fp32; the output is rounded to bf16).
+- The group size must be 32, 64, 128 or 256 and divide K; N must be a multiple of 16. A checkpoint
+  group that is a multiple of a supported size (channelwise: K) is split into equal op groups with
+  the scale repeated, which is exact.
+- The packed byte layout depends on the CPU capability torch dispatches to: full blocks of 64 rows
+  pair rows (d, d + 32) in one byte on AVX512, blocks of 32 pair (d, d + 16) on AVX2, and tail
+  blocks / the scalar build pair adjacent rows (2j, 2j + 1). `pack_format` records which layout
+  `qweight` holds; `apply` repacks once (in the caller's tensor dict) when the runtime CPU differs.
+
+Exactness: scales are rounded to bf16 (the kernel's only lossy step: ≤ 2^-8 relative; none for bf16
+checkpoints). The asymmetric term `(8 - z) * s` is not representable in bf16, so it is not put in
+the kernel's zero column: it is stored in fp32 as `zero_offsets` and added as
+`group_sums(x) @ zero_offsets` (an (M, G) x (G, N) product), which keeps (q - z) * s exact.
+
+Stored tensors:
+    qweight          (N, K // 2) uint8          torch's CPU int4 pack of the unsigned codes
+    pack_format      (2,) int32                 [block_n, split] of that pack (see above)
+    scales_and_zeros (K // group, N, 2) bf16    [..., 0] scale, [..., 1] zero (always 0 here);
+                                                group = the op group size (32/64/128/256)
+    zero_offsets     (G, N) float32             (2**(bits-1) - z) * s per checkpoint group; asymmetric only
+    perm             (K,) int32                 act-order only: stable argsort of g_idx (x[..., perm] first)
+    bias             (N,) float32               optional
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+
+import torch
+
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.errors import LayoutError
+
+log = logging.getLogger(__name__)
+
+OP_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
+N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+INNER_K_TILES = 2  # ignored by the CPU pack (the layout is the same for 2, 4 and 8)
+MIDPOINT = 8  # the kernel's implicit zero: dequant is (q - 8) * scale + zero
+
+# (block_n, split) layouts torch may use, checked in this order against the running build.
+PACK_FORMATS: tuple[tuple[int, bool], ...] = ((64, True), (32, True), (32, False), (16, False), (64, False))
+
+
+def op_group_size(k: int, group_size: int) -> int | None:
+    """Largest op group size that tiles one checkpoint group exactly (None if there is none)."""
+    g = k if group_size in (-1, 0) else group_size
+    return next((d for d in OP_GROUP_SIZES if g % d == 0 and k % d == 0), None)
+
+
+def pack_int4(codes: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:
+    """(N, K) codes in [0, 16) -> (N, K // 2) uint8 in torch's CPU int4 layout `(block_n, split)`.
+
+    Rows are cut into blocks of `block_n` (the last may be shorter); block b occupies bytes
+    [b0 * K / 2, (b0 + nb) * K / 2) as a (K, nb / 2) array: byte d of column k holds row
+    `d` (low nibble) and row `d + nb / 2` (high) when `split` and the block is full, else rows
+    `2d` and `2d + 1`.
+    """
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    out = torch.empty(n * k // 2, dtype=torch.uint8)
+    full = n // block_n * block_n
+    for start, rows, is_full in ((0, full, True), (full, n - full, False)):
+        if rows == 0:
+            continue
+        nb = block_n if is_full else rows
+        blk = c[start : start + rows].reshape(rows // nb, nb, k)
+        if split and is_full:
+            lo, hi = blk[:, : nb // 2], blk[:, nb // 2 :]
+        else:
+            lo, hi = blk[:, 0::2], blk[:, 1::2]
+        byte = lo | (hi << 4)  # (blocks, nb / 2, K)
+        out[start * k // 2 : (start + rows) * k // 2] = byte.transpose(1, 2).reshape(-1)
+    return out.reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int, split: bool) -> torch.Tensor:
+    """Inverse of `pack_int4`: (N, K // 2) uint8 -> (N, K) uint8 codes."""
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8)
+    full = n // block_n * block_n
+    for start, rows, is_full in ((0, full, True), (full, n - full, False)):
+        if rows == 0:
+            continue
+        nb = block_n if is_full else rows
+        byte = flat[start * k // 2 : (start + rows) * k // 2].reshape(rows // nb, k, nb // 2).transpose(1, 2)
+        lo, hi = byte & 0xF, byte >> 4  # (blocks, nb / 2, K)
+        blk = out[start : start + rows].view(rows // nb, nb, k)
+        if split and is_full:
+            blk[:, : nb // 2], blk[:, nb // 2 :] = lo, hi
+        else:
+            blk[:, 0::2], blk[:, 1::2] = lo, hi
+    return out
+
+
+@cache
+def runtime_pack_format() -> tuple[int, bool]:
+    """The layout this process's torch build packs and reads (probed once on a small weight)."""
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, 16, (112, 8), generator=gen, dtype=torch.int32)  # 112 = 64 + 32 + 16 rows
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, INNER_K_TILES)
+    for block_n, split in PACK_FORMATS:
+        if torch.equal(pack_int4(probe, block_n, split), packed.reshape(112, 4)):
+            return block_n, split
+    raise LayoutError(
+        "torch's CPU int4 pack uses a layout cpu_int4 does not know "
+        f"(torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}); "
+        "disable cpu_int4 (KILN_DISABLED_KERNELS=cpu_int4) to use the dense fallback"
+    )
+
+
+def stored_pack_format(tensors: dict[str, torch.Tensor]) -> tuple[int, bool]:
+    block_n, split = tensors["pack_format"].tolist()
+    return int(block_n), bool(split)
+
+
+def _check_int(weight: SourceWeight, spec: LinearSpec, name: str) -> IntWeight:
+    if not isinstance(weight, IntWeight):
+        raise LayoutError(f"{name}: layer {spec.name} needs an IntWeight, got {type(weight).__name__}")
+    if tuple(weight.codes.shape) != (spec.n, spec.k):
+        raise LayoutError(
+            f"{name}: layer {spec.name} codes have shape {tuple(weight.codes.shape)}, spec says (N, K) = "
+            f"({spec.n}, {spec.k})"
+        )
+    if weight.bits != spec.bits:
+        raise LayoutError(f"{name}: layer {spec.name} weight has {weight.bits} bits, spec says {spec.bits}")
+    return weight
+
+
+def act_order_permutation(weight: IntWeight, spec: LinearSpec, name: str) -> torch.Tensor | None:
+    """(K,) int64 stable argsort of g_idx when it is not k // group_size, else None.
+
+    Every group must have exactly group_size members so the sorted groups are contiguous.
+    """
+    if weight.g_idx is None:
+        return None
+    g_idx = weight.g_idx.long()
+    k = g_idx.numel()
+    channelwise = weight.group_size in (-1, 0)
+    in_order = torch.zeros(k, dtype=torch.long) if channelwise else torch.arange(k) // weight.group_size
+    if torch.equal(g_idx, in_order):
+        return None
+    if channelwise:
+        raise LayoutError(f"{name}: layer {spec.name} is channelwise but has a non-trivial g_idx")
+    counts = torch.bincount(g_idx, minlength=spec.num_groups)
+    if counts.numel() != spec.num_groups or bool((counts != weight.group_size).any()):
+        raise LayoutError(
+            f"{name}: layer {spec.name} act-order g_idx does not give every group exactly "
+            f"{weight.group_size} input channels (counts {counts.tolist()[:8]}...); "
+            "the dense kernel can take this layer (disable cpu_int4 for it)"
+        )
+    return torch.argsort(g_idx, stable=True)
+
+
+class CpuInt4Kernel(LinearKernel):
+    name = "cpu_int4"
+    layout_version = 1
+    schemes = frozenset({"int"})
+    description = "4-bit weight-only, torch's CPU int4 pack + _weight_int4pack_mm_for_cpu (bf16 activations)"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if target is not Target.CPU:
+            return False, f"cpu_int4 runs on the cpu target only (got {target.value})"
+        if spec.scheme != "int":
+            return False, f"cpu_int4 takes integer weights only (layer scheme is {spec.scheme})"
+        if spec.bits != 4:
+            return False, f"cpu_int4 takes 4-bit weights only (layer has {spec.bits} bits)"
+        if spec.n % N_MULTIPLE:
+            return False, f"N={spec.n} is not a multiple of {N_MULTIPLE} (torch's CPU int4 pack)"
+        if spec.group_size > 0 and spec.k % spec.group_size:
+            return False, f"K={spec.k} is not a multiple of group size {spec.group_size}"
+        if op_group_size(spec.k, spec.group_size) is None:
+            what = f"K={spec.k}" if spec.group_size in (-1, 0) else f"group size {spec.group_size}"
+            return False, (
+                f"{what} is not a multiple of 32: torch's CPU int4 matmul takes groups of 32/64/128/256"
+            )
+        if spec.act_order and spec.k != spec.k_full:
+            return False, "act-order with a row-parallel split: a rank holds partial groups"
+        return True, ""
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        w = _check_int(weight, spec, self.name)
+        n, k = spec.n, spec.k
+        op_group = op_group_size(k, w.group_size)
+        if op_group is None or n % N_MULTIPLE:
+            raise LayoutError(f"{self.name}: layer {spec.name} shape/group not supported; see can_implement")
+        codes = w.codes
+        perm = act_order_permutation(w, spec, self.name)
+        if perm is not None:
+            codes = codes[:, perm]
+        num_groups = w.scales.shape[0]
+        if tuple(w.scales.shape) != (k // (k if w.group_size in (-1, 0) else w.group_size), n):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} scales have shape {tuple(w.scales.shape)}, expected (G, N) "
+                f"for group size {w.group_size}"
+            )
+        scales = w.scales.float()  # (G, N)
+        repeat = k // num_groups // op_group
+        scale_bf16 = scales.to(torch.bfloat16).repeat_interleave(repeat, dim=0)  # (K // op_group, N)
+        block_n, split = runtime_pack_format()
+        tensors = {
+            "qweight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), INNER_K_TILES
+            ),  # (N, K // 2) uint8
+            "pack_format": torch.tensor([block_n, int(split)], dtype=torch.int32),
+            "scales_and_zeros": torch.stack([scale_bf16, torch.zeros_like(scale_bf16)], dim=-1).contiguous(),
+        }
+        if w.zeros is not None:
+            tensors["zero_offsets"] = (MIDPOINT - w.zeros.float()) * scales  # (G, N), exact in fp32
+        if perm is not None:
+            tensors["perm"] = perm.to(torch.int32)
+        if w.bias is not None:
+            tensors["bias"] = w.bias.float()
+        return tensors
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        n, k = spec.n, spec.k
+        codes = unpack_int4(tensors["qweight"], n, k, *stored_pack_format(tensors)).float()
+        sz = tensors["scales_and_zeros"].float()  # (K // op_group, N, 2)
+        op_gi = torch.arange(k) * sz.shape[0] // k
+        w = (codes - MIDPOINT) * sz[op_gi, :, 0].T + sz[op_gi, :, 1].T
+        if "zero_offsets" in tensors:
+            off = tensors["zero_offsets"].float()  # (G, N)
+            w = w + off[torch.arange(k) * off.shape[0] // k].T
+        if "perm" in tensors:
+            out = torch.empty_like(w)
+            out[:, tensors["perm"].long()] = w
+            w = out
+        return w
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if stored_pack_format(tensors) != runtime_pack_format():
+            _repack_for_this_cpu(tensors, spec)
+        k, n = spec.k, spec.n
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if "perm" in tensors:
+            x2 = x2.index_select(-1, tensors["perm"])
+        sz = tensors["scales_and_zeros"]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(torch.bfloat16).contiguous(), tensors["qweight"], k // sz.shape[0], sz
+        )
+        offsets = tensors.get("zero_offsets")
+        bias = tensors.get("bias")
+        if offsets is not None or bias is not None:
+            yf = y.float()
+            if offsets is not None:
+                g = offsets.shape[0]
+                yf = yf + x2.float().reshape(-1, g, k // g).sum(-1) @ offsets
+            if bias is not None:
+                yf = yf + bias
+            y = yf
+        return y.to(x.dtype).reshape(*lead, n)
+
+
+def _repack_for_this_cpu(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> None:
+    """The artifact was packed by a torch build with another CPU layout: repack once, in place."""
+    stored = stored_pack_format(tensors)
+    codes = unpack_int4(tensors["qweight"], spec.n, spec.k, *stored)
+    here = runtime_pack_format()
+    log.warning(
+        "layer %s: int4 weights were packed for layout %s, this CPU uses %s; repacking in memory",
+        spec.name,
+        stored,
+        here,
+    )
+    tensors["qweight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32), INNER_K_TILES
+    )
+    tensors["pack_format"] = torch.tensor([here[0], int(here[1])], dtype=torch.int32)

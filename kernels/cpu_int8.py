@@ -1,0 +1,103 @@
+"""cpu_int8: 8-bit symmetric channelwise weight-only GEMM on CPU (`aten._weight_int8pack_mm`).
+
+`torch.ops.aten._weight_int8pack_mm(x (M, K), w (N, K) int8, scales (N,))` computes
+`(x @ w.T) * scales` with x, scales and output in one dtype (torch 2.13 refuses mixed dtypes).
+Measured on this CPU (2048x2048, M=1): bf16 ≈0.07-0.10 ms, fp32 ≈1.5 ms, fp16 ≈1.6 ms, so
+activations run in bf16. The op is a GEMV loop whose cost grows linearly with M; widening the int8
+weight to bf16 (exact) for one bf16 GEMM and scaling the fp32 result per output channel costs a
+fixed ≈0.1-0.7 ms more but scales far better (1 thread, ms, op / widened):
+
+    N x K        M=8          M=16         M=32         M=64         M=128
+    2048x2048    0.38 / 0.79  0.75 / 0.95  1.53 / 1.22  3.07 / 1.91  10.1 / 3.01
+    1536x576     0.09 / 0.18  0.19 / 0.21  0.37 / 0.27  0.73 / 0.39  1.47 / 0.63
+
+so apply switches to the widened GEMM from `DEQUANT_MIN_M` rows on.
+
+Checkpoint codes are unsigned with bias 128 (uint8b128), so the stored int8 is `code - 128`.
+Only symmetric channelwise 8-bit fits this op; grouped or asymmetric 8-bit layers are refused
+(the dense kernel takes them on cpu).
+
+Exactness: the op path rounds the scales to bf16 (≤ 2^-8 relative; none for bf16 checkpoints);
+`dequantize` returns exactly what that path multiplies by.
+
+Stored tensors:
+    qweight  (N, K) int8       code - 128
+    scales   (N,) bfloat16     per output channel
+    bias     (N,) float32      optional
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.errors import LayoutError
+
+CODE_BIAS = 128  # uint8b128: real integer = code - 128
+DEQUANT_MIN_M = 32  # from this many rows on, one bf16 GEMM on the widened weight beats the op
+
+
+class CpuInt8Kernel(LinearKernel):
+    name = "cpu_int8"
+    layout_version = 1
+    schemes = frozenset({"int"})
+    description = "8-bit symmetric channelwise weight-only, aten._weight_int8pack_mm (bf16 activations)"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if target is not Target.CPU:
+            return False, f"cpu_int8 runs on the cpu target only (got {target.value})"
+        if spec.scheme != "int":
+            return False, f"cpu_int8 takes integer weights only (layer scheme is {spec.scheme})"
+        if spec.bits != 8:
+            return False, f"cpu_int8 takes 8-bit weights only (layer has {spec.bits} bits)"
+        if not spec.symmetric:
+            return False, "cpu_int8 takes symmetric 8-bit only (asymmetric zero points: dense fallback)"
+        if spec.group_size not in (-1, 0, spec.k):
+            return False, (
+                f"cpu_int8 takes channelwise 8-bit only (group size {spec.group_size}: dense fallback)"
+            )
+        return True, ""
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, IntWeight):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} needs an IntWeight, got {type(weight).__name__}"
+            )
+        n, k = spec.n, spec.k
+        if tuple(weight.codes.shape) != (n, k) or weight.bits != 8:
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} codes {tuple(weight.codes.shape)} x {weight.bits} bits, "
+                f"spec says ({n}, {k}) x 8 bits"
+            )
+        if weight.zeros is not None and not bool((weight.zeros == CODE_BIAS).all()):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} has asymmetric zero points; use the dense kernel"
+            )
+        if tuple(weight.scales.shape) != (1, n):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} scales have shape {tuple(weight.scales.shape)}, "
+                f"channelwise needs (1, {n}); grouped 8-bit goes to the dense kernel"
+            )
+        tensors = {
+            "qweight": (weight.codes.to(torch.int16) - CODE_BIAS).to(torch.int8).contiguous(),  # (N, K)
+            "scales": weight.scales.reshape(n).to(torch.bfloat16).contiguous(),  # (N,)
+        }
+        if weight.bias is not None:
+            tensors["bias"] = weight.bias.float()
+        return tensors
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return tensors["qweight"].float() * tensors["scales"].float()[:, None]
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, spec.k).to(torch.bfloat16).contiguous()
+        bias = tensors.get("bias")
+        if x2.shape[0] >= DEQUANT_MIN_M:
+            w = tensors["qweight"].to(torch.bfloat16)  # exact: |q| <= 128
+            y = torch.nn.functional.linear(x2, w).float() * tensors["scales"].float()
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, tensors["qweight"], tensors["scales"])
+        if bias is not None:
+            y = y.float() + bias
+        return y.to(x.dtype).reshape(*lead, spec.n)

@@ -1,0 +1,81 @@
+"""dense: unquantized layers on every target, and the lossless CPU fallback for quantized layers.
+
+GPU targets store the weight as-is in the activation dtype (bf16 / fp16; fp16 on sm75, which has
+no bf16 tensor cores) and refuse quantized layers: a dense copy of a 4-bit layer is 4-8x its
+memory, so those must find a quantized kernel or fail with the reasons.
+
+On the cpu target the weight is stored in fp32: fp32 GEMM is the dense path that is fast on every
+x86 CPU (bf16 GEMM is only fast with native bf16 dot products; see bench/cpu_kernels.py), and
+bf16 / fp16 -> fp32 is exact. The cpu target also takes "int" and "fp8" layers that no CPU
+quantized kernel takes (2/3-bit, grouped or asymmetric 8-bit, shapes the int4 pack refuses) by
+storing their dequantized fp32 weight, which equals `weight.dequantize()` bit for bit.
+
+`prepare` needs to know the target for dense layers; the converter passes `target=`. Without it,
+the storage dtype follows `spec.act_dtype` (fp32 when the activations are fp32) and quantized
+layers (cpu only) are stored in fp32.
+
+Stored tensors:
+    weight  (N, K) float32 (cpu) | act dtype (GPU)
+    bias    (N,) same dtype as weight, optional
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.errors import LayoutError
+
+GPU_QUANTIZED_REASON = "quantized layers on GPU use a quantized kernel; dense fallback would multiply memory"
+
+
+def storage_dtype(spec: LinearSpec, target: Target | None) -> torch.dtype:
+    if target is Target.CPU or spec.scheme != "dense":
+        return torch.float32
+    if target is Target.SM75:
+        return torch.float16
+    return spec.torch_act_dtype
+
+
+class DenseKernel(LinearKernel):
+    name = "dense"
+    layout_version = 1
+    schemes = frozenset({"dense", "int", "fp8"})
+    description = "torch linear on the (dequantized) weight: act dtype on GPU, fp32 on cpu"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme == "dense" or target is Target.CPU:
+            return True, ""
+        return False, GPU_QUANTIZED_REASON
+
+    def prepare(
+        self, weight: SourceWeight, spec: LinearSpec, *, target: Target | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        tgt = Target(target) if target is not None else None
+        if spec.scheme != "dense" and tgt is not None and tgt.is_gpu:
+            raise LayoutError(f"{self.name}: layer {spec.name}: {GPU_QUANTIZED_REASON}")
+        expected = (
+            DenseWeight if spec.scheme == "dense" else (IntWeight if spec.scheme == "int" else Fp8Weight)
+        )
+        if not isinstance(weight, expected):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} has scheme {spec.scheme} but got {type(weight).__name__}"
+            )
+        dtype = storage_dtype(spec, tgt)
+        w = weight.weight if isinstance(weight, DenseWeight) else weight.dequantize()
+        if tuple(w.shape) != (spec.n, spec.k):
+            raise LayoutError(
+                f"{self.name}: layer {spec.name} weight has shape {tuple(w.shape)}, spec says "
+                f"(N, K) = ({spec.n}, {spec.k})"
+            )
+        tensors = {"weight": w.to(dtype).contiguous()}  # (N, K)
+        if weight.bias is not None:
+            tensors["bias"] = weight.bias.to(dtype).contiguous()
+        return tensors
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return tensors["weight"].float()
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        w = tensors["weight"]
+        return torch.nn.functional.linear(x.to(w.dtype), w, tensors.get("bias")).to(x.dtype)

@@ -1,0 +1,268 @@
+"""fp8_marlin: FP8 e4m3 weights x bf16/fp16 activations (W8A16) on vLLM's FP8-Marlin layout.
+
+For sm80/sm86 (no FP8 tensor cores), and the fallback on sm89/sm90 for block scales. Stored tensors
+(per rank, bytes identical to vLLM's prepare_fp8_layer_for_marlin, formats.md §5.4):
+    qweight  (K // 16, 4 N) int32   raw e4m3 bytes packed as 8-bit GPTQ ((K / 4, N), byte k % 4 at
+                                    bits 8 (k % 4)), then gptq_marlin_repack(num_bits=8)
+    scales   (G, N) act dtype       scales cast to the act dtype; per-tensor expanded per shard to
+                                    (1, N), channel (1, N), block (K / bk, N) (group_size = bk);
+                                    Marlin-permuted; times the exponent bias 2^8 (fp16) / 2^120 (bf16)
+    bias     (N,) act dtype         optional, natural column order
+The bias exists for Marlin's cheap fp8 -> fp16/bf16 bit conversion (the e4m3 exponent/mantissa bits
+shifted into a 16-bit float, which is the true value times 2^-8 / 2^-120). This Triton kernel
+instead decodes e4m3 exactly into fp32 (normals by moving the bits into an fp32 pattern with the
+exponent rebased, subnormals as m * 2^-9, so no float denormals appear) and divides the bias back
+out of the scale vector (an exact power-of-two multiply per column), then computes
+w = e4m3 * scale in fp32, rounds w to the act dtype (as Marlin does) and runs the dot.
+The weight byte of element (k, n) is found with marlin_wna16's 8-bit closed form.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.codecs.bitpack import pack_rows, unpack_rows
+from kernels.errors import LayoutError
+from kernels.marlin_layout import (
+    MARLIN_SUPPORTED_GROUP_SIZES,
+    check_marlin_shape,
+    marlin_permute_scales,
+    marlin_repack,
+    marlin_unpermute_scales,
+    marlin_unrepack,
+)
+from kernels.triton_utils import (
+    GemmConfig,
+    act_dtype_reason,
+    bf16_interpreter,
+    check_act_dtype,
+    default_config,
+    import_triton,
+    largest_block_dividing,
+    runs_triton,
+)
+
+FP8_MARLIN_TARGETS = (Target.SM80, Target.SM86, Target.SM89, Target.SM90)
+EXPONENT_BIAS = {torch.float16: 8, torch.bfloat16: 120}  # 2^(e-1) - 2^3, e = exponent bits of act dtype
+
+
+class Fp8MarlinKernel(LinearKernel):
+    name: ClassVar[str] = "fp8_marlin"
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the FP8-Marlin layout, Triton dequant-GEMM"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme != "fp8":
+            return False, f"fp8_marlin runs fp8 layers, not scheme {spec.scheme!r}"
+        if target not in FP8_MARLIN_TARGETS:
+            return False, (
+                f"fp8_marlin targets sm80/sm86/sm89/sm90, not {target.value}; "
+                "FP8 checkpoints on sm75 need dequantizing to fp16 (dense)"
+            )
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        group = _group_size(spec)
+        if spec.fp8_strategy == "block":
+            if spec.block_size is None:
+                return False, "block-scaled FP8 layer without block_size in its spec"
+            if group not in MARLIN_SUPPORTED_GROUP_SIZES:
+                return False, (
+                    f"FP8 block width bk={group} is not a Marlin group size "
+                    f"{[g for g in MARLIN_SUPPORTED_GROUP_SIZES if g > 0]}; serve the layer dense"
+                )
+        elif spec.fp8_strategy not in ("tensor", "channel"):
+            return False, f"unknown FP8 strategy {spec.fp8_strategy!r}"
+        return check_marlin_shape(spec.n, spec.k, spec.k, group, bits=8)
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, Fp8Weight):
+            raise LayoutError(f"{spec.name}: fp8_marlin prepares Fp8Weight, got {type(weight).__name__}")
+        n, k = spec.n, spec.k
+        if tuple(weight.weight.shape) != (n, k):
+            raise LayoutError(f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(n, k)}")
+        act = spec.torch_act_dtype
+        codes = weight.weight.contiguous().view(torch.uint8)  # (N, K) raw e4m3 bytes
+        q_std = pack_rows(codes.T, 8)  # (K // 4, N) int32 == vLLM's pack_fp8_to_int32 + transpose
+        scales = _marlin_scales(weight, spec).to(act)  # (G, N), cast first as vLLM does
+        scales = marlin_permute_scales(scales, k, n, _group_size(spec))
+        scales = scales * torch.full_like(scales, 2.0) ** EXPONENT_BIAS[act]  # exact power of two
+        out = {"qweight": marlin_repack(q_std, 8), "scales": scales.contiguous()}  # (K // 16, 4 N)
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(act).contiguous()
+        return out
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        n, k = spec.n, spec.k
+        codes = unpack_rows(marlin_unrepack(tensors["qweight"].cpu(), 8, k, n), 8, k)  # (K, N) uint8
+        w = codes.view(torch.float8_e4m3fn).float()
+        scales = tensors["scales"].cpu()
+        bias = 2.0 ** -EXPONENT_BIAS[scales.dtype]
+        s = marlin_unpermute_scales(scales, k, n, _group_size(spec)).float() * bias  # (G, N)
+        g = torch.arange(k) // k if _group_size(spec) == -1 else torch.arange(k) // _group_size(spec)
+        return ((w * s[g]).T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return fp8_marlin_gemm(x, tensors, spec)
+
+
+def _group_size(spec: LinearSpec) -> int:
+    """Marlin group size: the block width bk for block scales, else -1 (one scale row)."""
+    if spec.fp8_strategy == "block" and spec.block_size is not None:
+        return spec.block_size[1]
+    return -1
+
+
+def _marlin_scales(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
+    """Scales before the act-dtype cast and permutation: (1, N) or (K / bk, N)."""
+    n, k = spec.n, spec.k
+    s = weight.scale.float()
+    if weight.strategy == "tensor":
+        sizes = weight.shard_sizes or tuple(sh.size for sh in spec.shards) or (n,)
+        if len(sizes) != s.numel() or sum(sizes) != n:
+            raise LayoutError(f"{spec.name}: {s.numel()} per-tensor scales for shards {sizes} (N={n})")
+        return torch.repeat_interleave(s.reshape(-1), torch.tensor(sizes)).reshape(1, n)
+    if weight.strategy == "channel":
+        return s.reshape(1, n)
+    if (
+        weight.block_size is None
+        or spec.block_size is None
+        or tuple(weight.block_size) != tuple(spec.block_size)
+    ):
+        raise LayoutError(
+            f"{spec.name}: block size {weight.block_size} does not match spec {spec.block_size}"
+        )
+    bn, bk = weight.block_size
+    if k % bk:
+        raise LayoutError(f"{spec.name}: K={k} is not a multiple of the FP8 block width {bk}")
+    return s.T.repeat_interleave(bn, dim=1)[:, :n].contiguous()  # (K / bk, N)
+
+
+def fp8_marlin_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias), reading the FP8-Marlin layout in place; x (..., K) bf16/fp16."""
+    check_act_dtype(x, "fp8_marlin")
+    scales = tensors["scales"]
+    if scales.dtype != x.dtype:
+        raise LayoutError(
+            f"fp8_marlin scales carry the {scales.dtype} exponent bias; activations are {x.dtype}"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k).contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    group = k if _group_size(spec) == -1 else _group_size(spec)
+    cfg = config or default_config(m, n, k, x.device)
+    cfg = GemmConfig(
+        cfg.block_m, cfg.block_n, largest_block_dividing(group, cfg.block_k), cfg.split_k,
+        cfg.num_warps, cfg.num_stages,
+    )  # fmt: skip
+    bias = tensors.get("bias")
+    y = (
+        torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        if cfg.split_k > 1
+        else torch.empty(m, n, device=x.device, dtype=x.dtype)
+    )
+    triton, _ = import_triton()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
+    _kernel()[grid](
+        x2, tensors["qweight"], scales, bias if bias is not None else scales, y,
+        m, n, k, group, 2.0 ** -EXPONENT_BIAS[x.dtype],
+        GROUPED_SCALES=group < k,
+        PER_BLOCK_SCALE=group % cfg.block_k == 0,
+        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BF16_INTERP=bf16_interpreter(x),
+        **launch,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)
+
+
+@cache
+def _kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def fp8_marlin_kernel(
+        X, QW, S, BIAS, Y,
+        M, N, K, group_size, unbias,
+        GROUPED_SCALES: tl.constexpr, PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        ROW_WORDS = N * 4  # int32 words per 16-row k-tile (8-bit)
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        act = X.dtype.element_ty
+        col_n = 256 * (offs_n // 64) + 32 * (offs_n % 8) + 2 * ((offs_n % 64) // 16) + (offs_n % 16) // 8
+        if GROUPED_SCALES:
+            s_col = 64 * (offs_n // 64) + 8 * (offs_n % 8) + (offs_n % 64) // 8
+        else:
+            s_col = 32 * (offs_n // 32) + 8 * ((offs_n % 8) // 2) + 2 * ((offs_n % 32) // 8) + offs_n % 2
+
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(
+                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )
+            if BF16_INTERP:
+                x = x.to(tl.float32)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            col_k = 8 * ((offs_k % 8) // 2)
+            shift_k = 8 * ((offs_k % 16) // 8 + 2 * (offs_k % 2))
+            words = tl.load(
+                QW + (offs_k // 16 * ROW_WORDS + col_k)[:, None] + col_n[None, :], mask=mask_kn, other=0
+            )
+            b = (words >> shift_k[:, None]) & 0xFF  # (BLOCK_K, BLOCK_N) e4m3 bit patterns
+            # exact e4m3 -> fp32: normals rebase the exponent (bias 7 -> 127), subnormals m * 2^-9
+            em = b & 0x7F
+            normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            mag = tl.where(em < 8, (em & 7).to(tl.float32) * 0.001953125, normal)
+            v = tl.where((b & 0x80) != 0, -mag, mag)
+            if PER_BLOCK_SCALE:
+                g = (it * BLOCK_K) // group_size
+                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
+                w = v * s[None, :]
+            else:
+                g = offs_k // group_size
+                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+                w = v * (s * unbias)
+            if not BF16_INTERP:
+                w = w.to(act)
+            acc += tl.dot(x, w)
+
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return fp8_marlin_kernel

@@ -1,0 +1,269 @@
+"""fp8_w8a8: FP8 e4m3 weights x dynamically per-token-quantized FP8 activations (sm89 / sm90).
+
+Stored tensors (per rank):
+    weight        (N, K) float8_e4m3fn  row-major, i.e. K-major as FP8 tensor cores want it
+                                        (`weight.t()` is the column-major (K, N) operand of _scaled_mm)
+    weight_scale  (1,) float32 per-tensor (fused shards requantized to the max shard scale, vLLM's
+                  requantize_with_max_scale) or (N,) float32 per-channel; multipliers
+    bias          (N,) act dtype, optional
+Runtime: every token row t of x is quantized as scale_t = max(amax_t / 448, 1 / (448 * 512)),
+q_t = e4m3(clamp(x_t / scale_t, ±448)) (vLLM's dynamic per-token kernel), then
+y = (q @ weight.T) * scale_t * weight_scale (+ bias), accumulated in fp32.
+
+Two GEMM backends: the Triton kernel (`fp8_w8a8_gemm`, what `apply` runs) and `torch._scaled_mm`
+(`scaled_mm_gemm`, row-wise scales); bench/gpu_check.py measures both on the GPU.
+`reference` mirrors the activation quantization in torch, so apply and its twin differ only by
+accumulation order; the error against unquantized activations is bounded separately (tests).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
+from kernels.errors import LayoutError
+from kernels.triton_utils import (
+    GemmConfig,
+    act_dtype_reason,
+    bf16_interpreter,
+    check_act_dtype,
+    default_config,
+    import_triton,
+    interpreter_enabled,
+    runs_triton,
+)
+
+MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor for dynamic per-token quant
+FP8 = torch.float8_e4m3fn
+
+
+class Fp8W8A8Kernel(LinearKernel):
+    name: ClassVar[str] = "fp8_w8a8"
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    description: ClassVar[str] = (
+        "FP8 e4m3 W8A8, per-tensor/channel weight scales, dynamic per-token activations"
+    )
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme != "fp8":
+            return False, f"fp8_w8a8 runs fp8 layers, not scheme {spec.scheme!r}"
+        if not target.has_fp8_tensor_cores:
+            return False, (
+                f"fp8_w8a8 needs FP8 tensor cores (sm89/sm90), target is {target.value}; "
+                "sm80/sm86 use fp8_marlin (W8A16)"
+            )
+        if spec.fp8_strategy not in ("tensor", "channel"):
+            return False, (
+                f"fp8_w8a8 takes per-tensor or per-channel weight scales, not {spec.fp8_strategy!r}; "
+                "block-scaled FP8 goes to fp8_marlin"
+            )
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        if spec.k % 16 or spec.n % 16:
+            return False, f"fp8_w8a8 needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
+        return True, ""
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, Fp8Weight):
+            raise LayoutError(f"{spec.name}: fp8_w8a8 prepares Fp8Weight, got {type(weight).__name__}")
+        if tuple(weight.weight.shape) != (spec.n, spec.k):
+            raise LayoutError(
+                f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(spec.n, spec.k)}"
+            )
+        if weight.strategy == "tensor":
+            fused = weight.scale.numel() > 1
+            w = requantize_to_max_scale(weight) if fused else weight
+            out = {"weight": w.weight.contiguous(), "weight_scale": w.scale.float().reshape(1)}
+        elif weight.strategy == "channel":
+            out = {"weight": weight.weight.contiguous(), "weight_scale": weight.scale.float().reshape(spec.n)}
+        else:
+            raise LayoutError(
+                f"{spec.name}: fp8_w8a8 cannot take {weight.strategy!r} scales (use fp8_marlin)"
+            )
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()
+        return out
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        s = tensors["weight_scale"].float().cpu()
+        s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(1, 1)
+        return (tensors["weight"].cpu().float() * s).to(tensors["weight"].device)  # (N, K) fp32
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return fp8_w8a8_gemm(x, tensors, spec)
+
+    def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        """Torch twin: per-token fp8 activation quantization, dequantized weight, fp32 matmul."""
+        q, s = quantize_per_token_reference(x.reshape(-1, spec.k))
+        y = (q.float() * s[:, None]) @ self.dequantize(tensors, spec).to(x.device).T
+        if "bias" in tensors:
+            y = y + tensors["bias"].float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+
+
+def quantize_per_token_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q (M, K) e4m3, scale (M,) fp32), vLLM's dynamic per-token semantics, in torch."""
+    xf = x2.float()
+    scale = (xf.abs().amax(dim=1) / E4M3_MAX).clamp(min=MIN_TOKEN_SCALE)
+    q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton per-token quantization (one program per row); same bytes as the reference."""
+    m, k = x2.shape
+    q = torch.empty(m, k, device=x2.device, dtype=FP8)
+    scale = torch.empty(m, device=x2.device, dtype=torch.float32)
+    if m == 0:
+        return q, scale
+    triton, _ = import_triton()
+    block = min(triton.next_power_of_2(k), 4096)
+    _quant_kernel()[(m,)](x2, q, scale, k, BLOCK=block, INTERPRET=not x2.is_cuda and interpreter_enabled())
+    return q, scale
+
+
+def fp8_w8a8_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with the Triton FP8 kernel; x (..., K) bf16/fp16."""
+    check_act_dtype(x, "fp8_w8a8")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k).contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    xq, xs = quantize_per_token(x2)
+    cfg = config or default_config(m, n, k, x.device)
+    ws = tensors["weight_scale"]
+    bias = tensors.get("bias")
+    y = (
+        torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        if cfg.split_k > 1
+        else torch.empty(m, n, device=x.device, dtype=x.dtype)
+    )
+    triton, _ = import_triton()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
+    _gemm_kernel()[grid](
+        xq, xs, tensors["weight"], ws, bias if bias is not None else ws, y,
+        m, n, k,
+        PER_CHANNEL=ws.numel() > 1,
+        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BF16_INTERP=bf16_interpreter(x),
+        **launch,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)
+
+
+def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+    """The same GEMM through torch._scaled_mm with row-wise scales (CUDA sm89+; for the benchmark)."""
+    check_act_dtype(x, "fp8_w8a8")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k).contiguous()
+    xq, xs = quantize_per_token(x2)
+    ws = tensors["weight_scale"].float().reshape(1, -1).expand(1, spec.n).contiguous()
+    # Row-wise scaling produces bfloat16 only; fp16 callers get a cast (bias added in fp32 below).
+    y = torch._scaled_mm(
+        xq, tensors["weight"].t(), scale_a=xs[:, None].contiguous(), scale_b=ws, out_dtype=torch.bfloat16
+    )
+    if "bias" in tensors:
+        y = (y.float() + tensors["bias"].float()).to(x.dtype)
+    return y.to(x.dtype).reshape(*lead, spec.n)
+
+
+@cache
+def _quant_kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+        tl.store(S + row, scale)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+            if INTERPRET:
+                # The interpreter's e4m3 downcast rounds wrongly: snap onto the e4m3 grid first
+                # (RNE on the fp32 bits for normals, multiples of 2^-9 below 2^-6); exact on GPU anyway.
+                bits = v.to(tl.int32, bitcast=True)
+                lsb = (bits >> 20) & 1
+                normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+                sub = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) / 512.0
+                sign = bits & -2147483648  # copy the sign bit: keeps -0 for negatives that round to 0
+                sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+                v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+            tl.store(Q + row * K + offs, v.to(Q.dtype.element_ty), mask=offs < K)
+
+    return fp8_per_token_quant_kernel
+
+
+@cache
+def _gemm_kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def fp8_w8a8_kernel(
+        XQ, XS, W, WS, BIAS, Y,
+        M, N, K,
+        PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(
+                XQ + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )
+            b = tl.load(
+                W + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
+            )  # (BLOCK_K, BLOCK_N) view of the K-major (N, K) weight
+            acc += tl.dot(a, b)
+        xs = tl.load(XS + offs_m, mask=mask_m, other=0.0)
+        if PER_CHANNEL:
+            ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
+            acc = acc * xs[:, None] * ws[None, :]
+        else:
+            acc = acc * xs[:, None] * tl.load(WS)
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return fp8_w8a8_kernel

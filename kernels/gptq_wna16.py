@@ -1,0 +1,273 @@
+"""gptq_wna16: int2/4/8 weight-only GEMM on the GPTQ-standard layout (Triton), every GPU target.
+
+The sm75 path, and the fallback for shapes Marlin refuses (N % 64, K % 128, odd group sizes).
+
+Stored tensors (per rank; pf = 32 // bits; G = number of scale groups):
+    qweight  (K // pf, N) int32     codes packed along K, standard order (formats.md §1.1)
+    scales   (G, N)       act dtype dequant multipliers
+    qzeros   (G, N // pf) int32     asymmetric only: TRUE zero points (GPTQ v2 semantics), packed along N
+    g_idx    (K,)         int32     act-order only: scale group of every input channel (original order)
+    bias     (N,)         act dtype optional
+    w[n, k] = (code[k, n] - zero[g, n]) * scales[g, n], g = g_idx[k] or k // group_size,
+    symmetric zero = 2 ** (bits - 1) (uint4b8 / uint8b128 codes).
+With act-order the scales hold every group g_idx can name (all groups of the full K when the layer
+is row-parallel, as vLLM keeps them).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
+from kernels.errors import LayoutError
+from kernels.triton_utils import (
+    GemmConfig,
+    act_dtype_reason,
+    bf16_interpreter,
+    check_act_dtype,
+    default_config,
+    import_triton,
+    largest_block_dividing,
+    runs_triton,
+)
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+class GptqWNA16Kernel(LinearKernel):
+    name: ClassVar[str] = "gptq_wna16"
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]] = frozenset({"int"})
+    description: ClassVar[str] = "int2/4/8 weight-only, GPTQ-standard layout, Triton dequant-GEMM"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme != "int":
+            return False, f"gptq_wna16 runs int weight-only layers, not scheme {spec.scheme!r}"
+        if not target.is_gpu:
+            return False, "gptq_wna16 is a GPU (Triton) kernel; the cpu target uses cpu_int4 / cpu_int8"
+        if spec.bits == 3:
+            return False, (
+                "3-bit GPTQ packing (fields straddle int32 words) is not supported by gptq_wna16; "
+                "requantize the checkpoint to 4-bit or serve it unquantized (dense)"
+            )
+        if spec.bits not in SUPPORTED_BITS:
+            return False, f"gptq_wna16 supports {SUPPORTED_BITS} bits, layer has {spec.bits}"
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        if target is Target.SM75 and spec.act_dtype != "float16":
+            return False, (
+                f"sm75 has no bfloat16 tensor cores: gptq_wna16 on sm75 needs act_dtype float16, "
+                f"got {spec.act_dtype} (convert with --dtype float16)"
+            )
+        pf = 32 // spec.bits
+        if spec.k % pf:
+            return False, f"K per rank = {spec.k} is not a multiple of {pf} ({spec.bits}-bit codes per int32)"
+        if not spec.symmetric and spec.n % pf:
+            return False, f"N per rank = {spec.n} is not a multiple of {pf}: zero points pack {pf} per int32"
+        if spec.group_size not in (-1, 0) and not spec.act_order and spec.k % spec.group_size:
+            return False, f"K per rank = {spec.k} is not a multiple of group_size {spec.group_size}"
+        return True, ""
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, IntWeight):
+            raise LayoutError(f"{spec.name}: gptq_wna16 prepares IntWeight, got {type(weight).__name__}")
+        _check_weight(weight, spec)
+        act = spec.torch_act_dtype
+        out: dict[str, torch.Tensor] = {
+            "qweight": pack_rows(weight.codes.T, spec.bits),  # (K // pf, N) int32
+            "scales": weight.scales.to(act).contiguous(),  # (G, N)
+        }
+        if weight.zeros is not None:
+            out["qzeros"] = pack_cols(weight.zeros, spec.bits)  # (G, N // pf) int32
+        if spec.act_order:
+            out["g_idx"] = weight.group_index().to(torch.int32).contiguous()  # (K,)
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(act).contiguous()  # (N,)
+        return out
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        q = unpack_rows(tensors["qweight"].cpu(), spec.bits, spec.k).float()  # (K, N)
+        scales = tensors["scales"].float().cpu()
+        if "qzeros" in tensors:
+            zeros = unpack_cols(tensors["qzeros"].cpu(), spec.bits, spec.n).float()  # (G, N)
+        else:
+            zeros = torch.full_like(scales, float(1 << (spec.bits - 1)))
+        g = _group_index(tensors, spec).cpu()
+        return (((q - zeros[g]) * scales[g]).T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return gptq_wna16_gemm(x, tensors, spec)
+
+
+def _check_weight(weight: IntWeight, spec: LinearSpec) -> None:
+    n, k = weight.codes.shape
+    if (n, k) != (spec.n, spec.k):
+        raise LayoutError(f"{spec.name}: codes are {(n, k)}, spec says (N, K) = {(spec.n, spec.k)}")
+    if weight.bits != spec.bits:
+        raise LayoutError(f"{spec.name}: weight has {weight.bits} bits, spec says {spec.bits}")
+    if weight.symmetric != spec.symmetric:
+        raise LayoutError(f"{spec.name}: weight symmetric={weight.symmetric}, spec says {spec.symmetric}")
+    if weight.g_idx is not None and not spec.act_order:
+        trivial = weight.group_index()
+        expected = (
+            torch.zeros(k, dtype=torch.long)
+            if spec.group_size in (-1, 0)
+            else torch.arange(k) // spec.group_size
+        )
+        if not torch.equal(trivial, expected):
+            raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
+
+
+def _group_index(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+    if "g_idx" in tensors:
+        return tensors["g_idx"].long()
+    if spec.group_size in (-1, 0):
+        return torch.zeros(spec.k, dtype=torch.long)
+    return torch.arange(spec.k) // spec.group_size
+
+
+def gptq_wna16_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with the Triton kernel; x (..., K) bf16/fp16 -> (..., N) in x's dtype."""
+    check_act_dtype(x, "gptq_wna16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k).contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    act_order = "g_idx" in tensors
+    group = k if spec.group_size in (-1, 0) else spec.group_size
+    cfg = config or default_config(m, n, k, x.device)
+    if not act_order:
+        cfg = _with_block_k(cfg, largest_block_dividing(group, cfg.block_k))
+    per_block_scale = not act_order and group % cfg.block_k == 0
+    scales = tensors["scales"]
+    qzeros = tensors.get("qzeros", scales)  # placeholder pointer when symmetric
+    g_idx = tensors.get("g_idx", scales)
+    bias = tensors.get("bias")
+    y = (
+        torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        if cfg.split_k > 1
+        else torch.empty(m, n, device=x.device, dtype=x.dtype)
+    )
+    triton, _ = import_triton()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _kernel()[grid](
+        x2, tensors["qweight"], scales, qzeros, g_idx, bias if bias is not None else scales, y,
+        m, n, k, group,
+        BITS=spec.bits,
+        HAS_ZP="qzeros" in tensors,
+        ACT_ORDER=act_order,
+        PER_BLOCK_SCALE=per_block_scale,
+        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k,
+        BF16_INTERP=bf16_interpreter(x),
+        **_launch_kwargs(x, cfg),
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)
+
+
+def _with_block_k(cfg: GemmConfig, block_k: int) -> GemmConfig:
+    return GemmConfig(cfg.block_m, cfg.block_n, block_k, cfg.split_k, cfg.num_warps, cfg.num_stages)
+
+
+def _launch_kwargs(x: torch.Tensor, cfg: GemmConfig) -> dict[str, Any]:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
+
+
+@cache
+def _kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def gptq_wna16_kernel(
+        X, QW, S, QZ, GIDX, BIAS, Y,
+        M, N, K, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
+        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        PF: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        act = X.dtype.element_ty
+
+        if HAS_ZP:
+            zp_col = offs_n // PF
+            zp_shift = (offs_n % PF) * BITS
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(
+                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )
+            if BF16_INTERP:
+                x = x.to(tl.float32)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
+            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
+            if PER_BLOCK_SCALE:
+                g = (it * BLOCK_K) // group_size
+                s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZP:
+                    zw = tl.load(QZ + g * (N // PF) + zp_col, mask=mask_n, other=0)
+                    z = (zw >> zp_shift) & MASK
+                    w = (q - z[None, :]).to(tl.float32)
+                else:
+                    w = (q - (1 << (BITS - 1))).to(tl.float32)
+                if not BF16_INTERP:
+                    w = w.to(act)  # integers below 256: exact in bf16/fp16
+                acc += tl.dot(x, w) * s[None, :]
+            else:
+                if ACT_ORDER:
+                    g = tl.load(GIDX + offs_k, mask=mask_k, other=0)
+                else:
+                    g = offs_k // group_size
+                s = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+                if HAS_ZP:
+                    zw = tl.load(QZ + g[:, None] * (N // PF) + zp_col[None, :], mask=mask_kn, other=0)
+                    z = (zw >> zp_shift[None, :]) & MASK
+                    w = (q - z).to(tl.float32) * s
+                else:
+                    w = (q - (1 << (BITS - 1))).to(tl.float32) * s
+                if not BF16_INTERP:
+                    w = w.to(act)
+                acc += tl.dot(x, w)
+
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return gptq_wna16_kernel

@@ -1,0 +1,258 @@
+"""The Marlin in-kernel layout, byte-identical to vLLM's `gptq_marlin_repack` and helpers (formats.md §4).
+
+Weights (`marlin_repack`): input standard GPTQ layout (K / pf, N) int32, output (K / 16, N * 16 / pf)
+int32. Each 16 x 64 tile (k-tile kt, n-tile nt) becomes 1024 / pf consecutive words of row kt. With
+warp w in 0..3, lane th in 0..31, off = [0, 1, 8, 9],
+    row(th, v) = 16 kt + 2 (th % 4) + off[v % 4],   col(th, v) = 64 nt + 16 w + th // 4 + 8 (v // 4)
+    4-bit: out[kt, 128 nt + 4 th + w]          field t = q[row(th, v), col(th, v)], v = [0,2,4,6,1,3,5,7][t]
+    8-bit: out[kt, 256 nt + 8 th + 2 w + h]    field t = q[row(th, u), col(th, u)], u = 4 h + [0,2,1,3][t]
+Implemented without index gathers: for 4-bit every output word is made of the same byte (th % 4) of
+four source words, whose nibbles are shuffled with a few uint8 ops; for 8-bit the whole transform is a
+single permutation of bytes (a view + permute + copy). Act-order: output row k reads source row
+perm[k] (perm = `sort_g_idx(g_idx)[1]`).
+
+Scales: grouped (group_size < K and != -1) permute every 64 columns by scale_perm, otherwise every 32
+columns by scale_perm_single. Zero points: scale_perm on 64-column chunks, then the bit-width
+interleave, then standard packing along N.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
+from kernels.errors import LayoutError
+
+MARLIN_TILE = 16
+MARLIN_MIN_THREAD_N = 64
+MARLIN_MIN_THREAD_K = 128
+MARLIN_SUPPORTED_BITS = (4, 8)
+MARLIN_SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+MARLIN_INTERLEAVE: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def marlin_repack(qweight_std: torch.Tensor, bits: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """(K / pf, N) int32 standard-packed -> (K / 16, N * 16 / pf) int32 Marlin layout.
+
+    8-bit input may be any int32 pattern (e.g. raw e4m3 bytes viewed as int32 for FP8 Marlin).
+    """
+    k, n = _check_weight(qweight_std, bits)
+    src = qweight_std.contiguous()
+    if perm is not None and perm.numel():
+        src = _permute_packed_rows(src, bits, k, perm)
+    if bits == 4:
+        return _repack4(src, k, n)
+    return _repack8(src, k, n)
+
+
+def marlin_unrepack(qweight_marlin: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
+    """Exact inverse of `marlin_repack`: (K / 16, N * 16 / pf) -> (K / pf, N) int32, rows in perm order."""
+    pf = 32 // bits
+    if bits not in MARLIN_SUPPORTED_BITS or qweight_marlin.dtype != torch.int32:
+        raise LayoutError(
+            f"Marlin weights are int32 with 4 or 8 bits, got {qweight_marlin.dtype}, {bits}-bit"
+        )
+    if tuple(qweight_marlin.shape) != (k // MARLIN_TILE, n * MARLIN_TILE // pf):
+        raise LayoutError(
+            f"Marlin qweight for K={k}, N={n}, {bits}-bit must be {(k // 16, n * 16 // pf)}, "
+            f"got {tuple(qweight_marlin.shape)}"
+        )
+    _check_tile_shape(k, n)
+    src = qweight_marlin.contiguous()
+    return _unrepack4(src, k, n) if bits == 4 else _unrepack8(src, k, n)
+
+
+def _repack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    # source bytes: dims [kt, rp, nt, w, h, cq, b]; byte b of word (8-row block rp, column 16w+8h+cq)
+    # holds rows 2b (low nibble) and 2b+1 (high nibble) of that block.
+    x = src.view(torch.uint8).view(k // 16, 2, n // 64, 4, 2, 8, 4)
+    a = x[:, 0, :, :, 0].permute(0, 1, 3, 4, 2)  # rows a, a+1 at col c      -> [kt, nt, cq, b, w]
+    b = x[:, 1, :, :, 0].permute(0, 1, 3, 4, 2)  # rows a+8, a+9 at col c
+    c = x[:, 0, :, :, 1].permute(0, 1, 3, 4, 2)  # rows a, a+1 at col c+8
+    d = x[:, 1, :, :, 1].permute(0, 1, 3, 4, 2)  # rows a+8, a+9 at col c+8
+    out = torch.empty(k // 16, n // 64, 8, 4, 4, 4, dtype=torch.uint8)  # [kt, nt, cq, b, w, byte]
+    lo, hi = 0x0F, 0xF0
+    torch.bitwise_or(a & lo, b << 4, out=out[..., 0])  # fields t=0,1: v=0 (row a), v=2 (row a+8)
+    torch.bitwise_or(c & lo, d << 4, out=out[..., 1])  # t=2,3: v=4, v=6 (col + 8)
+    torch.bitwise_or(a >> 4, b & hi, out=out[..., 2])  # t=4,5: v=1 (row a+1), v=3 (row a+9)
+    torch.bitwise_or(c >> 4, d & hi, out=out[..., 3])  # t=6,7: v=5, v=7
+    return out.view(torch.int32).view(k // 16, n * 2)  # (K / 16, N * 16 / 8) int32
+
+
+def _unrepack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    o = src.view(torch.uint8).view(k // 16, n // 64, 8, 4, 4, 4)  # [kt, nt, cq, b, w, byte]
+    o0, o1, o2, o3 = o[..., 0], o[..., 1], o[..., 2], o[..., 3]
+    out = torch.empty(k // 16, 2, n // 64, 4, 2, 8, 4, dtype=torch.uint8)
+    lo, hi = 0x0F, 0xF0
+
+    def dest(rp: int, h: int) -> torch.Tensor:  # [kt, nt, w, cq, b] -> [kt, nt, cq, b, w]
+        return out[:, rp, :, :, h].permute(0, 1, 3, 4, 2)
+
+    dest(0, 0).copy_((o0 & lo) | (o2 << 4))
+    dest(1, 0).copy_((o0 >> 4) | (o2 & hi))
+    dest(0, 1).copy_((o1 & lo) | (o3 << 4))
+    dest(1, 1).copy_((o1 >> 4) | (o3 & hi))
+    return out.view(torch.int32).view(k // 8, n)
+
+
+# 8-bit: source byte (row 4 r4 + byte, col) with local row = 8 R8 + 2 b + r1, b = 2 bhi + blo, i.e.
+# r4 = 2 R8 + bhi, byte = 2 blo + r1; col = 64 nt + 16 w + 8 h + cq. Output byte order within a
+# k-tile: [nt, cq, bhi, blo, w, h, r1, R8] (word 8 th + 2 w + h, field t = 2 r1 + R8).
+_SRC8 = "kt R8 bhi nt w h cq blo r1"
+_DST8 = "kt nt cq bhi blo w h r1 R8"
+_PERM8 = tuple(_SRC8.split().index(d) for d in _DST8.split())
+_INV8 = tuple(_DST8.split().index(d) for d in _SRC8.split())
+
+
+def _repack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    x = src.view(torch.uint8).view(k // 16, 2, 2, n // 64, 4, 2, 8, 2, 2)
+    return x.permute(*_PERM8).reshape(k // 16, n * 16).view(torch.int32)  # (K / 16, N * 16 / 4) int32
+
+
+def _unrepack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    x = src.view(torch.uint8).view(k // 16, n // 64, 8, 2, 2, 4, 2, 2, 2)
+    return x.permute(*_INV8).reshape(k // 4, n * 4).view(torch.int32)
+
+
+def _permute_packed_rows(src: torch.Tensor, bits: int, k: int, perm: torch.Tensor) -> torch.Tensor:
+    if perm.shape != (k,):
+        raise LayoutError(f"Marlin act-order perm must have shape (K={k},), got {tuple(perm.shape)}")
+    p = perm.long()
+    if not torch.equal(torch.sort(p).values, torch.arange(k)):
+        raise LayoutError("Marlin act-order perm is not a permutation of 0..K-1")
+    if bits == 8:  # rows are bytes: permute them without unpacking
+        rows = src.view(torch.uint8).view(k // 4, -1, 4).permute(0, 2, 1).reshape(k, -1)
+        return rows[p].view(k // 4, 4, -1).permute(0, 2, 1).contiguous().view(torch.int32).view(k // 4, -1)
+    return pack_rows(unpack_rows(src, bits, k)[p], bits)
+
+
+def _check_weight(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
+    if bits not in MARLIN_SUPPORTED_BITS:
+        raise LayoutError(f"Marlin packs 4- or 8-bit weights, not {bits}-bit")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise LayoutError(
+            f"Marlin repack takes a 2-D int32 (K/pf, N) tensor, got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    _check_tile_shape(k, n)
+    return k, n
+
+
+def _check_tile_shape(k: int, n: int) -> None:
+    if k % MARLIN_TILE or n % MARLIN_MIN_THREAD_N:
+        raise LayoutError(
+            f"Marlin repack needs K % 16 == 0 and N % 64 == 0, got K={k}, N={n}; "
+            "check_marlin_shape() says which kernel rule failed"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Scales and zero points
+# ---------------------------------------------------------------------------------------------
+
+
+def marlin_permute_scales(s: torch.Tensor, k: int, n: int, group_size: int) -> torch.Tensor:
+    """(G, N) -> (G, N), same dtype: grouped 64-column perm, or the single 32-column perm when
+    group_size is -1 or >= K (group_size == K uses the single perm, like vLLM)."""
+    _check_scales(s, n)
+    g = s.shape[0]
+    if _grouped(k, group_size):  # s_m[g, 64c + 8i + j] = s[g, 64c + i + 8j]
+        return s.reshape(g, n // 64, 8, 8).transpose(2, 3).reshape(g, n)
+    # s_m[g, 32c + 8i + 2a + b] = s[g, 32c + 2i + 8a + b]
+    return s.reshape(g, n // 32, 4, 4, 2).transpose(2, 3).reshape(g, n)
+
+
+def marlin_unpermute_scales(s: torch.Tensor, k: int, n: int, group_size: int) -> torch.Tensor:
+    """Inverse of `marlin_permute_scales`."""
+    _check_scales(s, n)
+    g = s.shape[0]
+    if _grouped(k, group_size):  # an 8x8 transpose is its own inverse
+        return s.reshape(g, n // 64, 8, 8).transpose(2, 3).reshape(g, n)
+    return s.reshape(g, n // 32, 4, 4, 2).transpose(2, 3).reshape(g, n)
+
+
+def marlin_zero_points(zp: torch.Tensor, bits: int) -> torch.Tensor:
+    """(G, N) unsigned zero points -> (G, N * bits / 32) int32 (64-chunk scale_perm, interleave, pack)."""
+    if bits not in MARLIN_SUPPORTED_BITS or zp.dim() != 2 or zp.shape[1] % 64:
+        raise LayoutError(
+            f"Marlin zero points need (G, N % 64 == 0) and 4/8 bits, got {tuple(zp.shape)}, {bits}-bit"
+        )
+    g, n = zp.shape
+    idx = _zero_point_index(bits)
+    return pack_cols(zp.reshape(g, n // 64, 64)[..., idx].reshape(g, n), bits)
+
+
+def marlin_unpack_zero_points(zp_marlin: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `marlin_zero_points`: (G, N * bits / 32) int32 -> (G, N) uint8."""
+    if bits not in MARLIN_SUPPORTED_BITS or n % 64:
+        raise LayoutError(f"Marlin zero points need N % 64 == 0 and 4/8 bits, got N={n}, {bits}")
+    g = zp_marlin.shape[0]
+    inv = torch.argsort(_zero_point_index(bits))
+    return unpack_cols(zp_marlin, bits, n).reshape(g, n // 64, 64)[..., inv].reshape(g, n)
+
+
+def sort_g_idx(g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_idx_sorted (K,) int32, perm (K,) int32) with a STABLE argsort.
+
+    vLLM's `marlin_sort_g_idx` uses torch.argsort, which is not stable, so its order of channels
+    within one group is unspecified. Ours keeps the original channel order inside each group; the
+    Marlin bytes are then defined by this perm, which the artifact stores (and the kernel reads).
+    """
+    perm = torch.sort(g_idx.long(), stable=True).indices
+    return g_idx[perm].to(torch.int32), perm.to(torch.int32)
+
+
+def check_marlin_shape(n: int, k: int, k_full: int, group_size: int, *, bits: int = 4) -> tuple[bool, str]:
+    """vLLM's check_marlin_supports_shape plus the bit-width / group-size rules: (ok, actionable reason)."""
+    if bits not in MARLIN_SUPPORTED_BITS:
+        return False, (
+            f"Marlin supports 4- and 8-bit weights only, this layer is {bits}-bit; "
+            "target a kernel without this rule (e.g. gptq_wna16)"
+        )
+    if group_size not in MARLIN_SUPPORTED_GROUP_SIZES:
+        return False, (
+            f"group_size={group_size} is not one of Marlin's {list(MARLIN_SUPPORTED_GROUP_SIZES)}; "
+            "target a kernel without this rule (e.g. gptq_wna16)"
+        )
+    if n % MARLIN_MIN_THREAD_N:
+        return False, (
+            f"N={n} on this rank is not a multiple of {MARLIN_MIN_THREAD_N} (Marlin tile); "
+            f"use a TP size that keeps N/tp a multiple of {MARLIN_MIN_THREAD_N} "
+            "or target a kernel without this rule"
+        )
+    if k % MARLIN_MIN_THREAD_K:
+        return False, (
+            f"K={k} on this rank is not a multiple of {MARLIN_MIN_THREAD_K} (Marlin min thread K); use a TP "
+            f"size that keeps K/tp a multiple of {MARLIN_MIN_THREAD_K} or target a kernel without this rule"
+        )
+    if group_size != -1 and group_size < k_full and k % group_size:
+        return False, (
+            f"K={k} on this rank is not a multiple of group_size={group_size}, so a quantization group "
+            "would straddle two ranks; use a TP size that keeps K/tp a multiple of the group size"
+        )
+    return True, ""
+
+
+def _grouped(k: int, group_size: int) -> bool:
+    return group_size != -1 and group_size < k
+
+
+def _check_scales(s: torch.Tensor, n: int) -> None:
+    if s.dim() != 2 or s.shape[1] != n or n % 64:
+        raise LayoutError(f"Marlin scales must be (G, N={n}) with N % 64 == 0, got {tuple(s.shape)}")
+
+
+@cache
+def _zero_point_index(bits: int) -> torch.Tensor:
+    """(64,) source column (within a 64-chunk) of each packed field position: scale_perm then interleave."""
+    scale_perm = torch.tensor([i + 8 * j for i in range(8) for j in range(8)])
+    il = torch.tensor(MARLIN_INTERLEAVE[bits])
+    pos = torch.arange(64)
+    return scale_perm[(pos // len(il)) * len(il) + il[pos % len(il)]]

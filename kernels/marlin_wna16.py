@@ -1,0 +1,308 @@
+"""marlin_wna16: int4/int8 weight-only GEMM on vLLM's Marlin layout, read directly by a Triton kernel.
+
+Targets sm80/sm86/sm89/sm90 (sm75 takes gptq_wna16). Stored tensors (per rank, bytes identical to
+vLLM's gptq_marlin_repack / marlin_permute_scales / marlin_zero_points, formats.md §4):
+    qweight  (K // 16, N * bits // 2) int32   Marlin tiles; with act-order rows are in `perm` order
+    scales   (G, N) act dtype                 Marlin-permuted (grouped perm iff group_size < K)
+    zeros    (G, N * bits // 32) int32        4-bit asymmetric only (uint4): permuted + interleaved
+    g_idx    (K,) int32                       act-order only: group of each SORTED row
+    perm     (K,) int32                       act-order only: sorted row k is input channel perm[k]
+    bias     (N,) act dtype                   optional, natural column order (the kernel reads it as is)
+Symmetric codes are uint4b8 / uint8b128 (real = code - 2 ** (bits - 1)). With act-order the scales
+hold every group of the full K on every rank (vLLM's marlin_repeat_scales_on_all_ranks).
+
+Reading the layout in place: for element (k, n) of the (sorted) weight, with kt = k // 16,
+nt = n // 64, w = (n % 64) // 16, th = 4 (n % 8) + (k % 8) // 2,
+v = 4 ((n % 16) // 8) + k % 2 + 2 ((k % 16) // 8):
+    4-bit: word (kt, 128 nt + 4 th + w), field t = v // 2 + 4 (v % 2)  (inverse of [0,2,4,6,1,3,5,7])
+    8-bit: word (kt, 256 nt + 8 th + 2 w + v // 4), field t = (v % 4) // 2 + 2 (v % 2)  (inverse of [0,2,1,3])
+Both split into a k-only and an n-only term, so the kernel adds two broadcast vectors per tile.
+Scale of column n sits at 64 (n // 64) + 8 (n % 8) + (n % 64) // 8 (grouped) or
+32 (n // 32) + 8 ((n % 8) // 2) + 2 ((n % 32) // 8) + n % 2 (single); the 4-bit zero point of
+column n is field (j // 2 + 4 (j % 2)), j = (n % 64) // 8, of word 8 (n // 64) + n % 8.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.codecs.bitpack import pack_rows, unpack_rows
+from kernels.errors import LayoutError
+from kernels.marlin_layout import (
+    check_marlin_shape,
+    marlin_permute_scales,
+    marlin_repack,
+    marlin_unpack_zero_points,
+    marlin_unpermute_scales,
+    marlin_unrepack,
+    marlin_zero_points,
+    sort_g_idx,
+)
+from kernels.triton_utils import (
+    GemmConfig,
+    act_dtype_reason,
+    bf16_interpreter,
+    check_act_dtype,
+    default_config,
+    import_triton,
+    largest_block_dividing,
+    runs_triton,
+)
+
+MARLIN_TARGETS = (Target.SM80, Target.SM86, Target.SM89, Target.SM90)
+
+
+class MarlinWNA16Kernel(LinearKernel):
+    name: ClassVar[str] = "marlin_wna16"
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]] = frozenset({"int"})
+    description: ClassVar[str] = (
+        "int4/int8 weight-only on the Marlin layout (vLLM bytes), Triton dequant-GEMM"
+    )
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme != "int":
+            return False, f"marlin_wna16 runs int weight-only layers, not scheme {spec.scheme!r}"
+        if target not in MARLIN_TARGETS:
+            return False, (
+                f"marlin_wna16 targets sm80/sm86/sm89/sm90, not {target.value} "
+                "(sm75 uses gptq_wna16, cpu uses cpu_int4 / cpu_int8)"
+            )
+        if not spec.symmetric and spec.bits != 4:
+            return False, (
+                f"Marlin takes zero points only for 4-bit weights (uint4); this layer is {spec.bits}-bit "
+                "asymmetric: gptq_wna16 runs it"
+            )
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        return check_marlin_shape(spec.n, spec.k, spec.k_full, spec.group_size, bits=spec.bits)
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, IntWeight):
+            raise LayoutError(f"{spec.name}: marlin_wna16 prepares IntWeight, got {type(weight).__name__}")
+        _check_weight(weight, spec)
+        act = spec.torch_act_dtype
+        q_std = pack_rows(weight.codes.T, spec.bits)  # (K // pf, N) int32, GPTQ standard packing
+        out: dict[str, torch.Tensor] = {}
+        if spec.act_order:
+            g_sorted, perm = sort_g_idx(weight.group_index().to(torch.int32))
+            out["qweight"] = marlin_repack(q_std, spec.bits, perm)  # (K // 16, N * bits // 2) int32
+        else:
+            out["qweight"] = marlin_repack(q_std, spec.bits)
+        out["scales"] = marlin_permute_scales(weight.scales.to(act), spec.k, spec.n, spec.group_size)
+        if weight.zeros is not None:
+            out["zeros"] = marlin_zero_points(weight.zeros, spec.bits)  # (G, N * bits // 32) int32
+        if spec.act_order:
+            out["g_idx"] = g_sorted.contiguous()
+            out["perm"] = perm.contiguous()
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(act).contiguous()
+        return {name: t.contiguous() for name, t in out.items()}
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        k, n, bits = spec.k, spec.n, spec.bits
+        q_std = marlin_unrepack(tensors["qweight"].cpu(), bits, k, n)
+        q = unpack_rows(q_std, bits, k).float()  # (K, N), rows in sorted order
+        scales = marlin_unpermute_scales(tensors["scales"].cpu(), k, n, spec.group_size).float()
+        if "zeros" in tensors:
+            zeros = marlin_unpack_zero_points(tensors["zeros"].cpu(), bits, n).float()
+        else:
+            zeros = torch.full_like(scales, float(1 << (bits - 1)))
+        if "g_idx" in tensors:
+            g = tensors["g_idx"].cpu().long()
+        elif spec.group_size in (-1, 0):
+            g = torch.zeros(k, dtype=torch.long)
+        else:
+            g = torch.arange(k) // spec.group_size
+        w_sorted = (q - zeros[g]) * scales[g]  # (K, N)
+        if "perm" in tensors:
+            w = torch.empty_like(w_sorted)
+            w[tensors["perm"].cpu().long()] = w_sorted
+            w_sorted = w
+        return (w_sorted.T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return marlin_wna16_gemm(x, tensors, spec)
+
+
+def _check_weight(weight: IntWeight, spec: LinearSpec) -> None:
+    if tuple(weight.codes.shape) != (spec.n, spec.k):
+        raise LayoutError(f"{spec.name}: codes are {tuple(weight.codes.shape)}, spec says {(spec.n, spec.k)}")
+    if weight.bits != spec.bits or weight.symmetric != spec.symmetric:
+        raise LayoutError(
+            f"{spec.name}: weight is {weight.bits}-bit symmetric={weight.symmetric}, "
+            f"spec says {spec.bits}-bit symmetric={spec.symmetric}"
+        )
+    if weight.g_idx is not None and not spec.act_order:
+        expected = (
+            torch.zeros(spec.k, dtype=torch.long)
+            if spec.group_size in (-1, 0)
+            else torch.arange(spec.k) // spec.group_size
+        )
+        if not torch.equal(weight.group_index(), expected):
+            raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
+
+
+def grouped_scales(spec: LinearSpec) -> bool:
+    """marlin_permute_scales used the 64-column perm (else the 32-column single perm)."""
+    return spec.group_size not in (-1, 0) and spec.group_size < spec.k
+
+
+def marlin_wna16_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias), reading the Marlin layout in place; x (..., K) bf16/fp16."""
+    check_act_dtype(x, "marlin_wna16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k)
+    act_order = "perm" in tensors
+    if act_order:
+        x2 = x2.index_select(1, tensors["perm"].long())  # activations in sorted-row order, once per call
+    x2 = x2.contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    group = k if spec.group_size in (-1, 0) else spec.group_size
+    cfg = config or default_config(m, n, k, x.device)
+    if not act_order:
+        cfg = GemmConfig(
+            cfg.block_m, cfg.block_n, largest_block_dividing(group, cfg.block_k), cfg.split_k,
+            cfg.num_warps, cfg.num_stages,
+        )  # fmt: skip
+    scales = tensors["scales"]
+    bias = tensors.get("bias")
+    y = (
+        torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        if cfg.split_k > 1
+        else torch.empty(m, n, device=x.device, dtype=x.dtype)
+    )
+    triton, _ = import_triton()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
+    _kernel()[grid](
+        x2, tensors["qweight"], scales, tensors.get("zeros", scales), tensors.get("g_idx", scales),
+        bias if bias is not None else scales, y,
+        m, n, k, group,
+        BITS=spec.bits,
+        HAS_ZP="zeros" in tensors,
+        ACT_ORDER=act_order,
+        GROUPED_SCALES=grouped_scales(spec),
+        PER_BLOCK_SCALE=not act_order and group % cfg.block_k == 0,
+        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BF16_INTERP=bf16_interpreter(x),
+        **launch,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)
+
+
+@cache
+def _kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def marlin_wna16_kernel(
+        X, QW, S, ZP, GIDX, BIAS, Y,
+        M, N, K, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr, GROUPED_SCALES: tl.constexpr,
+        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        MASK: tl.constexpr = (1 << BITS) - 1
+        ROW_WORDS = N * BITS // 2  # int32 words per 16-row k-tile
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        act = X.dtype.element_ty
+
+        # n-only parts of the Marlin word column and field shift (module docstring).
+        if BITS == 4:
+            col_n = 128 * (offs_n // 64) + 16 * (offs_n % 8) + (offs_n % 64) // 16
+            shift_n = 8 * ((offs_n % 16) // 8)
+        else:
+            col_n = 256 * (offs_n // 64) + 32 * (offs_n % 8) + 2 * ((offs_n % 64) // 16) + (offs_n % 16) // 8
+            shift_n = 0 * offs_n
+        if GROUPED_SCALES:
+            s_col = 64 * (offs_n // 64) + 8 * (offs_n % 8) + (offs_n % 64) // 8
+        else:
+            s_col = 32 * (offs_n // 32) + 8 * ((offs_n % 8) // 2) + 2 * ((offs_n % 32) // 8) + offs_n % 2
+        if HAS_ZP:  # 4-bit only
+            zj = (offs_n % 64) // 8
+            zp_col = 8 * (offs_n // 64) + offs_n % 8
+            zp_shift = 4 * (zj // 2 + 4 * (zj % 2))
+
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(
+                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )
+            if BF16_INTERP:
+                x = x.to(tl.float32)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            if BITS == 4:
+                col_k = 4 * ((offs_k % 8) // 2)
+                shift_k = 4 * ((offs_k % 16) // 8 + 4 * (offs_k % 2))
+            else:
+                col_k = 8 * ((offs_k % 8) // 2)
+                shift_k = 8 * ((offs_k % 16) // 8 + 2 * (offs_k % 2))
+            addr = (offs_k // 16 * ROW_WORDS + col_k)[:, None] + col_n[None, :]
+            words = tl.load(QW + addr, mask=mask_kn, other=0)
+            q = (words >> (shift_k[:, None] + shift_n[None, :])) & MASK  # (BLOCK_K, BLOCK_N) codes
+            if PER_BLOCK_SCALE:
+                g = (it * BLOCK_K) // group_size
+                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZP:
+                    zw = tl.load(ZP + g * (N // 8) + zp_col, mask=mask_n, other=0)
+                    w = (q - ((zw >> zp_shift) & MASK)[None, :]).to(tl.float32)
+                else:
+                    w = (q - (1 << (BITS - 1))).to(tl.float32)
+                if not BF16_INTERP:
+                    w = w.to(act)  # integers below 256: exact in bf16/fp16
+                acc += tl.dot(x, w) * s[None, :]
+            else:
+                if ACT_ORDER:
+                    g = tl.load(GIDX + offs_k, mask=mask_k, other=0)
+                else:
+                    g = offs_k // group_size
+                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+                if HAS_ZP:
+                    zw = tl.load(ZP + g[:, None] * (N // 8) + zp_col[None, :], mask=mask_kn, other=0)
+                    w = (q - ((zw >> zp_shift[None, :]) & MASK)).to(tl.float32) * s
+                else:
+                    w = (q - (1 << (BITS - 1))).to(tl.float32) * s
+                if not BF16_INTERP:
+                    w = w.to(act)
+                acc += tl.dot(x, w)
+
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return marlin_wna16_kernel

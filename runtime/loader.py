@@ -1,0 +1,284 @@
+"""Open an artifact and bind its tensors into a model, with no load-time processing.
+
+On CPU every tensor is a view into a private (copy-on-write) memory mapping of its safetensors
+file: nothing is read until a kernel touches it, and nothing is copied. On CUDA each tensor is
+copied once, host to device, straight from the mapping. The safetensors header is parsed here
+(8-byte little-endian length + JSON) so the views' addresses are known to lie inside the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from kernels.base import Target
+from kernels.errors import KilnError
+from kernels.registry import get_kernel
+from runtime.artifact.manifest import Manifest
+from runtime.kv_cache import KvCacheDtype
+from runtime.model import KernelLinear, LlamaForCausalLM, ModelConfig
+from runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class LoadError(KilnError):
+    """The artifact's files do not match its manifest or the model it describes."""
+
+
+class TargetMismatchError(KilnError):
+    """The artifact was converted for a different machine than this one."""
+
+
+@dataclass
+class MappedFile:
+    """A safetensors file mapped copy-on-write; `tensors` are views into `mapping`."""
+
+    path: Path
+    mapping: mmap.mmap
+    base: torch.Tensor  # (file size,) uint8 over the whole mapping
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def address_range(self) -> tuple[int, int]:
+        start = self.base.data_ptr()
+        return start, start + self.base.numel()
+
+
+def map_safetensors(path: Path) -> MappedFile:
+    """Memory-map a safetensors file and view every tensor in place (no copy, no read)."""
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (header_len,) = struct.unpack("<Q", mapping[:8])
+    header: dict[str, Any] = json.loads(mapping[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    data_start = 8 + header_len
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise LoadError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        raw = base[data_start + begin : data_start + end]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (data_start + begin) % itemsize:
+            log.warning("%s: tensor %s is misaligned in the file; copying it", path.name, name)
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(info["shape"])
+    return MappedFile(path=path, mapping=mapping, base=base, tensors=tensors)
+
+
+def check_target(target: str, device: str) -> None:
+    """Refuse an artifact whose target does not fit `device` on this machine."""
+    t = Target(target)
+    if not t.is_gpu:
+        if device != "cpu":
+            raise TargetMismatchError(
+                f"artifact built for cpu cannot run on {device}; convert with --target sm{_capability() or 'XX'}"
+            )
+        return
+    if not torch.cuda.is_available():
+        raise TargetMismatchError(
+            f"artifact built for {t.value}; this machine has no CUDA device — convert with --target cpu"
+        )
+    if device == "cpu":
+        raise TargetMismatchError(f"artifact built for {t.value} must run on a CUDA device, not cpu")
+    have = _capability()
+    if have < t.capability:
+        raise TargetMismatchError(
+            f"artifact built for {t.value}; this GPU is sm{have} — convert with --target sm{have}"
+        )
+
+
+def _capability() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def default_device(manifest: Manifest) -> str:
+    return "cuda" if Target(manifest.target).is_gpu else "cpu"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    manifest: Manifest
+    tokenizer: PreTrainedTokenizerBase | None
+    config: ModelConfig
+    artifact_dir: Path = Path()
+    device: str = "cpu"
+    rank: int = 0
+    world_size: int = 1
+    kv_cache_dtype: KvCacheDtype = "auto"
+    dtype: torch.dtype = torch.float32
+    eos_token_ids: tuple[int, ...] = ()
+    files: list[MappedFile] = field(default_factory=list)  # keeps the mappings alive
+    load_seconds: float = 0.0
+
+
+def _eos_ids(artifact_dir: Path, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    ids: set[int] = set()
+
+    def add(v: object) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(i for i in v if isinstance(i, int))
+
+    add(hf_config.get("eos_token_id"))
+    gen = artifact_dir / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def _set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+
+
+def load_model(
+    artifact_dir: Path,
+    *,
+    device: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    kv_cache_dtype: KvCacheDtype = "auto",
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    import time
+
+    started = time.perf_counter()
+    artifact_dir = Path(artifact_dir)
+    manifest = Manifest.load(artifact_dir)
+    device = device or default_device(manifest)
+    check_target(manifest.target, device)
+    if manifest.tp != world_size:
+        raise LoadError(
+            f"artifact was sharded for tp={manifest.tp}; this run has world_size={world_size} — "
+            f"run with --tp {manifest.tp} or convert with --tp {world_size}"
+        )
+    if not 0 <= rank < world_size:
+        raise LoadError(f"rank {rank} out of range for world_size {world_size}")
+
+    cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
+    dtype: torch.dtype = getattr(torch, manifest.act_dtype)
+    has_lm_head_layer = "lm_head" in manifest.layers
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
+
+    # Map this rank's files (and only those).
+    files: list[MappedFile] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.rank_files(rank):
+        path = artifact_dir / entry.name
+        if not path.is_file():
+            raise LoadError(f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})")
+        if path.stat().st_size != entry.size:
+            raise LoadError(
+                f"{path} has {path.stat().st_size} bytes, the manifest says {entry.size}: truncated — pull it again"
+            )
+        mapped = map_safetensors(path)
+        files.append(mapped)
+        tensors.update(mapped.tensors)
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return t if device == "cpu" else t.to(device, non_blocking=False)
+
+    used: set[str] = set()
+    # Linear layers: resolve the kernel and its tensors once.
+    linears = model.linear_layers()
+    for name, entry in manifest.layers.items():
+        module = linears.get(name)
+        if module is None:
+            raise LoadError(f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)")
+        kernel = get_kernel(entry.kernel)
+        spec = entry.linear_spec()
+        bound: dict[str, torch.Tensor] = {}
+        for suffix in entry.tensors:
+            key = f"{name}.{suffix}"
+            if key not in tensors:
+                raise LoadError(f"tensor {key} (kernel {entry.kernel}) is missing from rank {rank}'s files")
+            if suffix == "bias" and spec.row_parallel and rank != 0:
+                used.add(key)  # the all-reduce must add a row-parallel bias once: rank 0 applies it
+                continue
+            bound[suffix] = to_device(tensors[key])
+            used.add(key)
+        module.bind(kernel, spec, bound)
+    missing = [m.name for m in linears.values() if m.kernel is None]
+    if missing:
+        raise LoadError(f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete")
+
+    # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the compute dtype.
+    for hf_name, (module, attr) in model.hf_parameter_names().items():
+        if hf_name not in tensors:
+            raise LoadError(f"tensor {hf_name} is missing from rank {rank}'s files")
+        t = to_device(tensors[hf_name])
+        if not isinstance(module, nn.Embedding) and t.dtype != dtype:
+            t = t.to(dtype)
+        _set_param(module, attr, t)
+        used.add(hf_name)
+    if not has_lm_head_layer:
+        if "lm_head.weight" in tensors:
+            head = to_device(tensors["lm_head.weight"])
+            used.add("lm_head.weight")
+        elif cfg.tie_word_embeddings:
+            head = model.embed_tokens.weight
+        else:
+            raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
+        if head.dtype != dtype:
+            log.info("lm_head: converting the %s weight to %s once at load (no lm_head layer in the artifact)",
+                     head.dtype, dtype)
+            head = head.to(dtype)
+        model.lm_head_weight = head
+    unused = sorted(set(tensors) - used)
+    if unused:
+        log.warning("ignoring %d tensor(s) the model does not use, e.g. %s", len(unused), unused[:3])
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise LoadError(f"parameters left unbound: {leftover[:5]}")
+
+    tokenizer = load_tokenizer(artifact_dir) if with_tokenizer else None
+    return LoadedModel(
+        model=model,
+        manifest=manifest,
+        tokenizer=tokenizer,
+        config=cfg,
+        artifact_dir=artifact_dir,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
+        eos_token_ids=_eos_ids(artifact_dir, manifest.hf_config, tokenizer),
+        files=files,
+        load_seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,338 @@
+"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings).
+
+Every linear layer is a `KernelLinear`: the kernel named in the manifest plus the tensors it
+prepared, resolved once at load, so the hot path is `kernel.apply(x, tensors, spec)` with no
+lookups. Fused layers as the converter writes them: `self_attn.qkv_proj` (q|k|v) and
+`mlp.gate_up_proj` (gate|up), split by the shard sizes recorded in their spec.
+
+Tensor parallel (Megatron): qkv_proj / gate_up_proj column-parallel (this rank's heads and
+intermediate slice), attention and SwiGLU local, o_proj / down_proj row-parallel followed by an
+all-reduce; embeddings, norms and lm_head replicated.
+
+Shapes: the model runs on (B, T) token ids; prefill is one sequence (B=1) from position 0,
+decode is B sequences with one token each at their own positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.base import LinearKernel, LinearSpec
+from kernels.errors import UnsupportedError
+from runtime.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
+        arch = architecture or (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedError(
+                f"architecture {arch} is not supported by the runtime (supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            )
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = rope or cfg.get("rope_scaling") or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary embeddings (neox style: rotate the two halves of each head, HF layout)
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig, max_len: int) -> torch.Tensor:
+    """(head_dim // 2,) float64 inverse frequencies, rope scaling applied."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "dynamic":
+        # Dynamic NTK with the table built once for max_len (as vLLM does); identical to the
+        # unscaled rope while max_len stays within the original context.
+        orig = int(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        factor = float(scaling["factor"])
+        if max_len > orig:
+            base = base * ((factor * max_len / orig) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if kind in ("default", "dynamic"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        orig = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are divided by factor, short ones kept, the band between interpolated
+        smooth = ((orig / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= orig / low) & (wavelen >= orig / high)
+        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, dynamic)")
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (max_len, head_dim // 2)."""
+    inv_freq = rope_inv_freq(cfg, max_len).float()
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim // 2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
+
+
+class KernelLinear(nn.Module):
+    """y = x @ W.T (+ bias) through the kernel the manifest names; tensors bound at load."""
+
+    def __init__(self, name: str, *, all_reduce: bool = False) -> None:
+        super().__init__()
+        self.name = name
+        self.all_reduce = all_reduce  # row-parallel layer under TP > 1
+        self.kernel: LinearKernel | None = None
+        self.spec: LinearSpec | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def bind(self, kernel: LinearKernel, spec: LinearSpec, tensors: dict[str, torch.Tensor]) -> None:
+        self.kernel, self.spec, self.tensors = kernel, spec, tensors
+        for suffix, t in tensors.items():
+            self.register_buffer(suffix, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel.apply(x, self.tensors, self.spec)  # type: ignore[union-attr]
+        if self.all_reduce:
+            torch.distributed.all_reduce(y)
+        return y
+
+    def shard_sizes(self) -> list[int]:
+        assert self.spec is not None, f"{self.name} is not bound"
+        return [s.size for s in self.spec.shards] or [self.spec.n]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, layer_idx: int, world_size: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads // world_size
+        self.num_kv_heads = cfg.num_kv_heads // world_size
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = KernelLinear(f"{prefix}.qkv_proj")
+        self.o_proj = KernelLinear(f"{prefix}.o_proj", all_reduce=world_size > 1)
+        self.split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        cache = ctx.cache
+        if ctx.prefill_slot is not None:  # one sequence from position 0: attend to itself, causally
+            cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+        else:  # one new token per sequence at its own position
+            cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.read(self.layer_idx, ctx.read_slots, ctx.read_len)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, prefix: str, world_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = KernelLinear(f"{prefix}.gate_up_proj")
+        self.down_proj = KernelLinear(f"{prefix}.down_proj", all_reduce=world_size > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, world_size: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{idx}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", idx, world_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(f"{prefix}.mlp", world_size)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward state shared by every layer (built once per step, not per layer)."""
+
+    cache: KVCache
+    cos: torch.Tensor  # (B, 1, T, head_dim // 2)
+    sin: torch.Tensor
+    prefill_slot: int | None = None
+    slots: torch.Tensor | None = None  # (B,) decode: cache slot of each sequence
+    positions: torch.Tensor | None = None  # (B,) decode: position of the new token
+    read_slots: slice | torch.Tensor | None = None  # a slice when the slots are contiguous (no gather)
+    read_len: int = 0
+    mask: torch.Tensor | None = None  # (B, 1, 1, read_len) bool, None when B == 1
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on the meta device; `runtime.loader` binds every tensor from the artifact."""
+
+    def __init__(self, cfg: ModelConfig, *, world_size: int = 1, has_lm_head: bool = True) -> None:
+        super().__init__()
+        if cfg.num_heads % world_size or cfg.num_kv_heads % world_size:
+            raise UnsupportedError(
+                f"tp={world_size} must divide num_attention_heads={cfg.num_heads} and "
+                f"num_key_value_heads={cfg.num_kv_heads}"
+            )
+        self.cfg = cfg
+        self.world_size = world_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, world_size) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # A kernel layer when the artifact has an `lm_head` entry; else the tied / plain weight.
+        self.lm_head = KernelLinear("lm_head") if has_lm_head else None
+        self.lm_head_weight: torch.Tensor | None
+        self.register_buffer("lm_head_weight", None, persistent=False)
+        self.dtype = torch.float32
+        self.cos = self.sin = torch.empty(0)
+
+    # names as the artifact stores them -> modules / parameters
+    def linear_layers(self) -> dict[str, KernelLinear]:
+        return {m.name: m for m in self.modules() if isinstance(m, KernelLinear)}
+
+    def hf_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
+        names: dict[str, tuple[nn.Module, str]] = {"model.embed_tokens.weight": (self.embed_tokens, "weight")}
+        for i, layer in enumerate(self.layers):
+            names[f"model.layers.{i}.input_layernorm.weight"] = (layer.input_layernorm, "weight")
+            names[f"model.layers.{i}.post_attention_layernorm.weight"] = (layer.post_attention_layernorm, "weight")
+        names["model.norm.weight"] = (self.norm, "weight")
+        return names
+
+    def setup(self, dtype: torch.dtype, max_len: int, device: torch.device | str) -> None:
+        """After binding: compute dtype and rope tables for positions [0, max_len)."""
+        self.dtype = dtype
+        self.cos, self.sin = (t.to(device) for t in rope_tables(self.cfg, max_len, dtype))
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _body(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens.weight).to(self.dtype)
+        for layer in self.layers:
+            x = layer.forward(x, ctx)
+        return self.norm.forward(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.forward(hidden)
+        assert self.lm_head_weight is not None
+        return F.linear(hidden, self.lm_head_weight)
+
+    def prefill(
+        self, input_ids: torch.Tensor, slot: int, cache: KVCache, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """input_ids (T,) from position 0 into `slot`. Logits (V,) of the last position, or (T, V)."""
+        t = input_ids.shape[0]
+        ctx = ForwardContext(cache=cache, cos=self.cos[:t][None, None], sin=self.sin[:t][None, None], prefill_slot=slot)
+        hidden = self._body(input_ids[None], ctx)[0]
+        return self.logits(hidden if all_logits else hidden[-1])
+
+    def decode(self, tokens: torch.Tensor, slots: list[int], positions: list[int], cache: KVCache) -> torch.Tensor:
+        """One token per sequence: tokens (B,), its cache slot and position. Logits (B, V)."""
+        b = len(slots)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        read_len = max(positions) + 1
+        contiguous = slots == list(range(slots[0], slots[0] + b))
+        read_slots: slice | torch.Tensor = slice(slots[0], slots[0] + b) if contiguous else slot_t
+        mask = None
+        if b > 1:
+            mask = (torch.arange(read_len)[None, :] <= pos[:, None])[:, None, None, :]
+        ctx = ForwardContext(
+            cache=cache,
+            cos=self.cos[pos][:, None, None],
+            sin=self.sin[pos][:, None, None],
+            slots=slot_t,
+            positions=pos,
+            read_slots=read_slots,
+            read_len=read_len,
+            mask=mask,
+        )
+        hidden = self._body(tokens[:, None], ctx)[:, 0]
+        return self.logits(hidden)

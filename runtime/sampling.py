@@ -1,0 +1,135 @@
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds, logprobs).
+
+Logprobs are those of the raw model distribution (log_softmax of the logits, before temperature,
+top-k and top-p), as vLLM reports them. `min_tokens` masks EOS and `stop_token_ids` until that many
+tokens were generated. A request with a `seed` samples from its own `torch.Generator`, so its output
+does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.errors import KilnError
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(KilnError):
+    """A request's parameters are invalid; the server answers 400 with this message."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n alternatives per generated token (0: only the chosen token)
+    prompt_logprobs: int | None = None  # same for prompt tokens (echo + logprobs)
+    echo: bool = False  # the server prepends the prompt; the engine does not use it
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name, n in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must not be empty")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top-n tokens of this position and their logprobs
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """(V,) logits with everything outside the top-k / nucleus set to -inf."""
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
+    return logits
+
+
+def token_logprobs(logprobs_row: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
+    """One position's logprob entry from its (V,) log-softmax row."""
+    top: dict[int, float] = {}
+    if n > 0:
+        vals, ids = torch.topk(logprobs_row, n)
+        top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs_row[token_id]), top=top)
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    num_generated: int
+    eos_token_ids: tuple[int, ...]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Next token of each row of (B, V) logits, plus its logprob entry when the row asked for one."""
+    logits = logits.float()
+    all_greedy = all(r.params.greedy and r.params.min_tokens <= r.num_generated for r in rows)
+    if all_greedy and all(r.params.logprobs is None for r in rows):
+        return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+
+    tokens: list[int] = []
+    lps: list[TokenLogprob | None] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        raw = logits[i]
+        work = raw
+        if row.num_generated < p.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if 0 <= t < raw.numel()]
+            if banned:
+                work = raw.clone()
+                work[banned] = float("-inf")
+        if p.greedy:
+            token = int(work.argmax())
+        else:
+            scaled = _apply_top_k_top_p(work / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=row.generator))
+        tokens.append(token)
+        lps.append(
+            token_logprobs(torch.log_softmax(raw, dim=-1), token, p.logprobs)
+            if p.logprobs is not None
+            else None
+        )
+    return tokens, lps

@@ -1,0 +1,74 @@
+"""The FastAPI application factory.
+
+`create_app()` reads the one Settings object. With a broker URL the API publishes job ids to Celery;
+without one (the embedded default) it runs jobs in worker threads next to itself. Migrations are a
+separate step (`kiln db upgrade`); `kiln api` runs them at start only for an embedded SQLite database.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import CollectorRegistry, Gauge
+
+from runtime.settings import Settings, get_settings
+from services.api.errors import install_handlers
+from services.api.middleware import BodySizeLimit, RequestMetrics
+from services.api.routes import artifacts, conversions, health
+from services.worker.dispatch import CeleryDispatcher, Dispatcher
+
+
+def make_dispatcher(settings: Settings) -> Dispatcher:
+    if settings.broker_url:
+        return CeleryDispatcher(settings)
+    from services.worker.embedded import EmbeddedWorker
+
+    return EmbeddedWorker(settings, threads=settings.embedded_workers)
+
+
+def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        d = dispatcher or make_dispatcher(settings)
+        start = getattr(d, "start", None)
+        if start is not None:
+            start()
+        app.state.dispatcher = d
+        try:
+            yield
+        finally:
+            d.close()
+            app.state.health_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="Kiln",
+        version="1",
+        description="Convert LLM checkpoints once into kernel-ready artifacts.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry = CollectorRegistry()
+    app.state.jobs_gauge = Gauge("kiln_jobs", "Conversion jobs by status", ["status"], registry=registry)
+    app.state.health_pool = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix="kiln-health")
+    app.include_router(conversions.router)
+    app.include_router(artifacts.router)
+    app.include_router(health.router)
+    install_handlers(app)
+    # Outermost last: metrics see every response, the size limit runs before routing.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+            expose_headers=["Location"],
+        )
+    app.add_middleware(RequestMetrics, registry=registry)
+    return app

@@ -1,0 +1,103 @@
+"""/v1/artifacts: find committed artifacts, read one (manifest + presigned URLs), delete (admin)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response, status
+
+from services.api import schemas
+from services.api.deps import AdminDep, SessionDep, SettingsDep, StoreDep, TokenDep
+from services.api.errors import AUTH_RESPONSES, not_found
+from services.db import repo
+from services.db.models import Artifact
+from services.storage.errors import NotFoundError
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"], responses=AUTH_RESPONSES)
+
+ArtifactId = Annotated[str, Path(max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+
+
+def _summary(a: Artifact) -> schemas.ArtifactSummary:
+    return schemas.ArtifactSummary(
+        id=a.id,
+        model=a.model,
+        architecture=a.architecture,
+        source_uri=a.source_uri,
+        source_digest=a.source_digest,
+        source_format=a.source_format,
+        target=a.target,
+        tp=a.tp,
+        method=a.method,
+        uri=a.uri,
+        size_bytes=a.size_bytes,
+        job_id=a.job_id,
+        created_at=repo.as_aware(a.created_at),  # type: ignore[arg-type]
+    )
+
+
+@router.get("", response_model=schemas.ArtifactPage)
+def list_artifacts(
+    session: SessionDep,
+    settings: SettingsDep,
+    _: TokenDep,
+    model: Annotated[str | None, Query(max_length=300)] = None,
+    source_digest: Annotated[str | None, Query(max_length=64)] = None,
+    target: schemas.TargetName | None = None,
+    tp: Annotated[int | None, Query(ge=1, le=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: Annotated[str | None, Query(max_length=128)] = None,
+) -> schemas.ArtifactPage:
+    rows, nxt = repo.list_artifacts(
+        session,
+        limit=min(limit, settings.api_page_size_max),
+        cursor=cursor,
+        model=model,
+        source_digest=source_digest,
+        target=target,
+        tp=tp,
+    )
+    return schemas.ArtifactPage(items=[_summary(a) for a in rows], next_cursor=nxt)
+
+
+@router.get(
+    "/{artifact_id}", response_model=schemas.ArtifactDetail, responses={404: {"model": schemas.Problem}}
+)
+def get_artifact(
+    artifact_id: ArtifactId, session: SessionDep, settings: SettingsDep, store: StoreDep, _: TokenDep
+) -> schemas.ArtifactDetail:
+    a = repo.get_artifact(session, artifact_id)
+    if a is None:
+        raise not_found("artifact", artifact_id)
+    try:
+        urls = store.presigned_urls(artifact_id)
+    except NotFoundError:
+        log.warning("artifact %s is in SQL but not in the store", artifact_id)
+        urls = {}
+    return schemas.ArtifactDetail(
+        **_summary(a).model_dump(),
+        manifest=a.manifest,
+        files=[schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files],
+        urls=urls,
+        urls_expire_in_s=settings.presigned_url_ttl_s,
+    )
+
+
+@router.delete(
+    "/{artifact_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={403: {"model": schemas.Problem}, 404: {"model": schemas.Problem}},
+)
+def delete_artifact(artifact_id: ArtifactId, session: SessionDep, store: StoreDep, _: AdminDep) -> Response:
+    """Remove an artifact from the store (manifest first) and the catalog. Admin only."""
+    if repo.get_artifact(session, artifact_id) is None:
+        raise not_found("artifact", artifact_id)
+    try:
+        store.delete(artifact_id)
+    except NotFoundError:
+        log.warning("artifact %s was already gone from the store", artifact_id)
+    repo.delete_artifact(session, artifact_id)
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,152 @@
+"""/v1/conversions: submit, inspect, list and cancel conversion jobs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+
+from services.api import schemas
+from services.api.deps import DispatcherDep, SessionDep, SettingsDep, TokenDep
+from services.api.errors import AUTH_RESPONSES, conflict, invalid_field, not_found
+from services.db import repo
+from services.db.models import Job
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/conversions", tags=["conversions"], responses=AUTH_RESPONSES)
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Same key (per token) -> same job",
+    ),
+]
+
+
+def to_schema(job: Job) -> schemas.Job:
+    return schemas.Job(
+        id=job.id,
+        status=job.status,  # type: ignore[arg-type]
+        stage=job.stage,
+        progress=job.progress,
+        message=job.message,
+        error=job.error,
+        attempts=job.attempts,
+        max_attempts=job.max_attempts,
+        cancel_requested=job.cancel_requested,
+        source=job.source,
+        targets=list(job.targets),
+        method=job.method,
+        tp=job.tp,
+        options=dict(job.options or {}),
+        artifact_ids=list(job.artifact_ids or []),
+        created_at=repo.as_aware(job.created_at),  # type: ignore[arg-type]
+        updated_at=repo.as_aware(job.updated_at),  # type: ignore[arg-type]
+        started_at=repo.as_aware(job.started_at),
+        finished_at=repo.as_aware(job.finished_at),
+    )
+
+
+def _check_source(source: str, settings: SettingsDep) -> None:
+    allowed = settings.allow_local_sources
+    if allowed is None:
+        allowed = settings.environment != "production"
+    if source.startswith("s3://"):
+        return
+    if "://" in source:
+        raise invalid_field("source", f"source {source!r}: unsupported scheme; use s3://bucket/prefix")
+    if not allowed:
+        raise invalid_field(
+            "source",
+            f"source {source!r}: server-local paths are disabled (KILN_ALLOW_LOCAL_SOURCES); use s3://",
+        )
+    if not Path(source).is_absolute():
+        raise invalid_field("source", f"source {source!r}: a server-local path must be absolute")
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=schemas.Job,
+    responses={409: {"model": schemas.Problem, "description": "Idempotency-Key reused for another request"}},
+)
+def submit(
+    body: schemas.ConversionCreate,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    token: TokenDep,
+    dispatcher: DispatcherDep,
+    idempotency_key: IdempotencyKey = None,
+) -> schemas.Job:
+    """Queue a conversion; returns the job (an existing one for a repeated key or identical request)."""
+    _check_source(body.source, settings)
+    sub = repo.submit_job(
+        session,
+        source=body.source,
+        targets=list(body.targets),
+        method=body.method,
+        tp=body.tp,
+        options=body.options.model_dump(),
+        idempotency_key=idempotency_key,
+        token_id=token.id,
+        max_attempts=settings.max_job_attempts,
+    )
+    job = sub.job
+    if sub.created:
+        job.task_id = dispatcher.new_task_id()
+    session.commit()  # the row is durable before any worker can see the id
+    if sub.created:
+        try:
+            dispatcher.send(job.id, job.task_id)
+        except Exception as e:  # the reconciler publishes it once the broker is back
+            log.warning("job %s: not published to the broker (%s); left for the reconciler", job.id, e)
+    response.headers["Location"] = f"/v1/conversions/{job.id}"
+    return to_schema(job)
+
+
+@router.get("", response_model=schemas.JobPage)
+def list_conversions(
+    session: SessionDep,
+    settings: SettingsDep,
+    _: TokenDep,
+    status_: Annotated[schemas.JobStatus | None, Query(alias="status")] = None,
+    source: Annotated[str | None, Query(max_length=2048)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: Annotated[str | None, Query(max_length=64, pattern=r"^job-[0-9a-f]+$")] = None,
+) -> schemas.JobPage:
+    """Newest first; follow `next_cursor` for more."""
+    rows, nxt = repo.list_jobs(
+        session, limit=min(limit, settings.api_page_size_max), cursor=cursor, status=status_, source=source
+    )
+    return schemas.JobPage(items=[to_schema(j) for j in rows], next_cursor=nxt)
+
+
+@router.get("/{job_id}", response_model=schemas.Job, responses={404: {"model": schemas.Problem}})
+def get_conversion(job_id: str, session: SessionDep, _: TokenDep) -> schemas.Job:
+    job = repo.get_job(session, job_id)
+    if job is None:
+        raise not_found("conversion", job_id)
+    return to_schema(job)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=schemas.Job,
+    responses={404: {"model": schemas.Problem}, 409: {"model": schemas.Problem}},
+)
+def cancel_conversion(job_id: str, session: SessionDep, _: TokenDep) -> schemas.Job:
+    """Cancel: a queued job at once, a running one at its next layer boundary."""
+    job = repo.request_cancel(session, job_id)
+    if job is None:
+        raise not_found("conversion", job_id)
+    if job.status in ("succeeded", "failed"):
+        raise conflict(f"conversion {job_id} already {job.status}; nothing to cancel")
+    session.commit()
+    return to_schema(job)

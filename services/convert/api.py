@@ -1,0 +1,118 @@
+"""The conversion library's entry points (used by the CLI, the API worker and the demo).
+
+    plan(source, target, tp=1, method="auto", fp8_scheme="tensor") -> Plan
+    convert(ConversionRequest, progress=..., should_cancel=...) -> list[ConversionResult]
+
+Pure library: no FastAPI, no Celery. Artifacts land at `{out}/{artifact_id}/`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.settings import Settings
+from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.detect import detect_format
+from services.convert.errors import Cancelled, ConversionError, VerificationError
+from services.convert.formats.base import CheckpointFormat
+from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
+from services.convert.plan import Plan, PlanRow, build_plan
+from services.storage import open_source, open_store
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Cancelled",
+    "ConversionError",
+    "ConversionRequest",
+    "ConversionResult",
+    "Plan",
+    "PlanRow",
+    "Progress",
+    "VerificationError",
+    "convert",
+    "open_and_detect",
+    "parse_targets",
+    "plan",
+]
+
+
+@dataclass
+class ConversionRequest:
+    source: str
+    targets: list[str]
+    method: str = "auto"
+    tp: int = 1
+    fp8_scheme: str = "tensor"
+    out: str = ""  # empty: Settings().resolved_store_url
+    disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
+
+
+def parse_targets(targets: list[str] | str) -> list[str]:
+    """["sm80,sm90", "cpu"] -> ["sm80", "sm90", "cpu"] (deduplicated, order kept)."""
+    items = [targets] if isinstance(targets, str) else targets
+    out: list[str] = []
+    for item in items:
+        for t in str(item).split(","):
+            t = t.strip().lower()
+            if t and t not in out:
+                out.append(t)
+    if not out:
+        raise ConversionError("no target given; use e.g. --target sm80 or --target sm80,cpu")
+    return out
+
+
+def open_and_detect(source: str, settings: Settings | None = None) -> tuple[Checkpoint, CheckpointFormat]:
+    ckpt = open_checkpoint(open_source(source, settings or Settings()))
+    return ckpt, detect_format(ckpt)
+
+
+def plan(
+    source: str,
+    target: str,
+    *,
+    tp: int = 1,
+    method: str = "auto",
+    fp8_scheme: str = "tensor",
+    disabled_kernels: tuple[str, ...] | None = None,
+    settings: Settings | None = None,
+) -> Plan:
+    settings = settings or Settings()
+    ckpt, fmt = open_and_detect(source, settings)
+    disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
+    return build_plan(
+        ckpt, fmt, target, tp=tp, method=method, fp8_scheme=fp8_scheme, disabled_kernels=disabled
+    )
+
+
+def convert(
+    req: ConversionRequest,
+    *,
+    progress: ProgressFn | None = None,
+    should_cancel: CancelFn | None = None,
+    settings: Settings | None = None,
+    workdir: Path | None = None,
+) -> list[ConversionResult]:
+    """Convert `req.source` for every target; one artifact per target (reused when already committed)."""
+    settings = settings or Settings()
+    ckpt, fmt = open_and_detect(req.source, settings)
+    disabled = tuple(req.disabled_kernels) or tuple(settings.disabled_kernels)
+    plans = [
+        build_plan(
+            ckpt, fmt, t, tp=req.tp, method=req.method, fp8_scheme=req.fp8_scheme, disabled_kernels=disabled
+        )
+        for t in parse_targets(req.targets)
+    ]
+    store = open_store(req.out or settings.resolved_store_url, settings)
+    if progress:
+        progress(Progress("hashing", 0, 0, 0, ckpt.total_bytes, "sha256 of the source files"))
+    ckpt.file_hashes()
+    results = []
+    for p in plans:
+        log.info("converting %s for %s (tp=%d, method=%s)", req.source, p.target.value, p.tp, p.method)
+        results.append(
+            convert_plan(ckpt, fmt, p, store, progress=progress, should_cancel=should_cancel, workdir=workdir)
+        )
+    return results

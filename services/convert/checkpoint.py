@@ -1,0 +1,181 @@
+"""A Hugging Face checkpoint opened for conversion: configs, tensor index, per-layer tensor reads.
+
+Works over any `SourceReader` (local directory or S3 prefix). Only safetensors headers are read up
+front; tensors are read when a layer is converted: from a local file through `safe_open` (memory
+mapped, opened per read batch so mappings are released), from S3 with one ranged GET per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.convert.errors import ConversionError, UnsupportedError
+from services.convert.safetensors_io import FLOAT_DTYPES, TensorInfo, parse_header, tensor_from_bytes
+from services.storage.base import SourceReader
+
+log = logging.getLogger(__name__)
+
+HEADER_PROBE_BYTES = 1 << 20
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Copied verbatim into every artifact when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SIDE_FILES = ("generation_config.json", *TOKENIZER_FILES)
+QUANT_SIDE_CONFIGS = ("quantize_config.json", "quant_config.json")
+
+
+@dataclass
+class Checkpoint:
+    """Everything known about a source checkpoint before converting it."""
+
+    source: SourceReader
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    weight_files: list[str]
+    side_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # quantize_config.json, ...
+    _hashes: dict[str, str] | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.source.uri
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError as e:
+            raise ConversionError(f"tensor {name!r} is missing from the checkpoint at {self.uri}") from e
+
+    def is_float(self, name: str) -> bool:
+        return self.info(name).dtype in FLOAT_DTYPES
+
+    def modules_with(self, suffix: str) -> set[str]:
+        tail = "." + suffix
+        return {n[: -len(tail)] for n in self.tensors if n.endswith(tail)}
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read tensors (one memory-mapped open per file for local sources, ranged GETs for S3)."""
+        infos = [self.info(n) for n in names]
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[TensorInfo]] = {}
+        for info in infos:
+            by_file.setdefault(info.file, []).append(info)
+        for file, group in by_file.items():
+            path = self.source.local_path(file)
+            if path is not None:
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    for info in group:
+                        out[info.name] = f.get_tensor(info.name).clone()
+            else:
+                for info in group:
+                    out[info.name] = tensor_from_bytes(
+                        info, self.source.read_range(file, info.start, info.end)
+                    )
+        return out
+
+    def read_one(self, name: str) -> torch.Tensor:
+        return self.read([name])[name]
+
+    def file_hashes(self) -> dict[str, str]:
+        """sha256 of every file the conversion reads (configs, weights, tokenizer), computed once."""
+        if self._hashes is None:
+            names = sorted(
+                {
+                    "config.json",
+                    *self.weight_files,
+                    *self.present_side_files(),
+                    *(n for n in QUANT_SIDE_CONFIGS if n in self.side_configs),
+                }
+            )
+            if self.source.exists(INDEX_NAME):
+                names.append(INDEX_NAME)
+            self._hashes = {n: self.source.sha256(n) for n in sorted(set(names))}
+        return self._hashes
+
+    def present_side_files(self) -> list[str]:
+        listing = set(self.source.list())
+        return [n for n in SIDE_FILES if n in listing]
+
+
+def _read_json(source: SourceReader, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads(source.read_bytes(name))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{source.uri}/{name} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{source.uri}/{name}: expected a JSON object")
+    return data
+
+
+def open_checkpoint(source: SourceReader) -> Checkpoint:
+    listing = set(source.list())
+    if "config.json" not in listing:
+        ggufs = sorted(n for n in listing if n.endswith(".gguf"))
+        if ggufs:
+            raise UnsupportedError(
+                f"{source.uri} holds a GGUF file ({ggufs[0]}); GGUF input is not supported yet. "
+                "Convert it to a Hugging Face safetensors checkpoint first (transformers "
+                "from_pretrained(gguf_file=...) then save_pretrained)."
+            )
+        raise ConversionError(f"{source.uri} has no config.json: not a Hugging Face checkpoint directory")
+    config = _read_json(source, "config.json")
+    side = {n: _read_json(source, n) for n in QUANT_SIDE_CONFIGS if n in listing}
+    if INDEX_NAME in listing:
+        index = _read_json(source, INDEX_NAME)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConversionError(f"{source.uri}/{INDEX_NAME} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif SINGLE_NAME in listing:
+        files = [SINGLE_NAME]
+    else:
+        files = sorted(n for n in listing if n.endswith(".safetensors") and "/" not in n)
+        if not files:
+            if any(n.endswith(".bin") or n.endswith(".pt") for n in listing):
+                raise UnsupportedError(
+                    f"{source.uri} holds PyTorch pickle weights (.bin); only safetensors checkpoints are "
+                    "supported — re-save with save_pretrained(safe_serialization=True)"
+                )
+            raise ConversionError(f"{source.uri} has no safetensors weights")
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        if file not in listing:
+            raise ConversionError(f"{source.uri}: {INDEX_NAME} names {file}, which is missing")
+        size = source.size(file)
+        probe = source.read_range(file, 0, min(size, HEADER_PROBE_BYTES))
+
+        def more(start: int, end: int, file: str = file) -> bytes:
+            return source.read_range(file, start, end)
+
+        for name, info in parse_header(file, probe, more).items():
+            if name in tensors:
+                raise ConversionError(f"tensor {name} appears in both {tensors[name].file} and {file}")
+            if info.end > size:
+                raise ConversionError(f"{file}: tensor {name} extends past the end of the file (truncated?)")
+            tensors[name] = info
+    log.info("opened %s: %d tensors in %d files", source.uri, len(tensors), len(files))
+    return Checkpoint(source=source, config=config, tensors=tensors, weight_files=files, side_configs=side)

@@ -1,0 +1,82 @@
+"""Format detection with vLLM's precedence (formats.md §7), plus pluggable third-party formats.
+
+The quantization config comes from config.json `quantization_config`, else `compression_config`,
+else `text_config.quantization_config`; unlike vLLM, a checkpoint holding only quantize_config.json
+(AutoGPTQ) or quant_config.json (AutoAWQ) is also detected. Formats registered under the
+entry-point group `kiln.formats` (a `CheckpointFormat` subclass) are tried before the built-ins,
+as vLLM gives externally registered methods precedence.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Any
+
+from kernels.errors import KilnError, UnsupportedError
+from services.convert.checkpoint import QUANT_SIDE_CONFIGS, Checkpoint
+from services.convert.formats.awq import AwqFormat
+from services.convert.formats.base import SUPPORTED_FORMATS_MESSAGE, CheckpointFormat
+from services.convert.formats.compressed_tensors import CompressedTensorsFormat
+from services.convert.formats.dense import DenseFormat
+from services.convert.formats.fp8 import Fp8Format
+from services.convert.formats.gptq import GptqFormat
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kiln.formats"
+BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = (
+    GptqFormat,
+    AwqFormat,
+    Fp8Format,
+    CompressedTensorsFormat,
+    DenseFormat,
+)
+KNOWN_UNSUPPORTED = {
+    "bitsandbytes": "bitsandbytes checkpoints are not supported (dequantize to bf16 and use --method fp8)",
+    "gguf": "GGUF input is not supported yet",
+    "hqq": "HQQ checkpoints are not supported",
+    "eetq": "EETQ checkpoints are not supported",
+    "aqlm": "AQLM checkpoints are not supported",
+    "exl2": "EXL2 checkpoints are not supported",
+    "marlin": "pre-packed Marlin checkpoints are not supported (vLLM has no loader for them either)",
+}
+
+
+def find_quant_config(ckpt: Checkpoint) -> tuple[dict[str, Any] | None, str]:
+    cfg = ckpt.config
+    for key in ("quantization_config", "compression_config"):
+        if isinstance(cfg.get(key), dict):
+            return cfg[key], f"config.json:{key}"
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("quantization_config"), dict):
+        return text["quantization_config"], "config.json:text_config.quantization_config"
+    for name in QUANT_SIDE_CONFIGS:
+        if name in ckpt.side_configs:
+            return ckpt.side_configs[name], name
+    return None, ""
+
+
+def plugin_formats() -> list[type[CheckpointFormat]]:
+    """Formats installed under `kiln.formats` (re-read every call: installing a package needs no restart)."""
+    found: list[type[CheckpointFormat]] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        if not (isinstance(obj, type) and issubclass(obj, CheckpointFormat)):
+            raise KilnError(f"entry point {ep.name} = {ep.value} is not a CheckpointFormat subclass")
+        log.info("checkpoint format plugin %s from %s", obj.name, ep.value)
+        found.append(obj)
+    return found
+
+
+def detect_format(ckpt: Checkpoint) -> CheckpointFormat:
+    quantization, where = find_quant_config(ckpt)
+    for cls in [*plugin_formats(), *BUILTIN_FORMATS]:
+        fmt = cls.detect(ckpt, quantization, where.removeprefix("config.json:") if where else where)
+        if fmt is not None:
+            if where in QUANT_SIDE_CONFIGS:
+                fmt.notes.append(f"quantization config read from {where} (config.json has none)")
+            return fmt
+    method = str((quantization or {}).get("quant_method", "")).lower()
+    reason = KNOWN_UNSUPPORTED.get(method, f"quantization method {method or '(none)'!r} is not supported")
+    raise UnsupportedError(f"{ckpt.uri}: {reason}. {SUPPORTED_FORMATS_MESSAGE}")

@@ -1,0 +1,73 @@
+"""AutoAWQ GEMM checkpoints (formats.md §2): 4-bit, zero points, contiguous groups.
+
+Config keys: bits|w_bit, group_size|q_group_size, zero_point, version (must be "gemm"),
+modules_to_not_convert (substring match, vLLM's AWQ rule). Modules without a `qweight` are dense.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.base import SourceWeight
+from kernels.codecs.awq import decode_awq
+from kernels.errors import UnsupportedError
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import ConversionError
+from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.model_layout import LinearLayout
+
+
+class AwqFormat(CheckpointFormat):
+    name = "awq"
+
+    def __init__(self, ckpt: Checkpoint, quantization: dict[str, Any]) -> None:
+        super().__init__(ckpt, quantization)
+        q = quantization
+        bits = q.get("bits", q.get("w_bit"))
+        group = q.get("group_size", q.get("q_group_size"))
+        if bits is None or group is None:
+            raise ConversionError("AWQ quantization config needs bits|w_bit and group_size|q_group_size")
+        self.bits, self.group_size = int(bits), int(group)
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise UnsupportedError(
+                f"AWQ version {version!r} (GEMV layout, qweight (N, K/8)) is not supported; only AWQ "
+                f"'gemm' checkpoints are. {SUPPORTED_FORMATS_MESSAGE}"
+            )
+        if self.bits != 4:
+            raise UnsupportedError(
+                f"AWQ with {self.bits} bits is not supported (AWQ is 4-bit only). {SUPPORTED_FORMATS_MESSAGE}"
+            )
+        if not q.get("zero_point", True):
+            raise UnsupportedError(f"AWQ with zero_point=false is not supported. {SUPPORTED_FORMATS_MESSAGE}")
+        self.not_convert = [str(m) for m in (q.get("modules_to_not_convert") or [])]
+
+    @classmethod
+    def detect(cls, ckpt: Checkpoint, quantization: dict[str, Any] | None, where: str) -> AwqFormat | None:
+        if quantization is None:
+            return None
+        method = str(quantization.get("quant_method", "")).lower()
+        legacy = not method and "w_bit" in quantization
+        return cls(ckpt, quantization) if method == "awq" or legacy else None
+
+    def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
+        has_q = self.ckpt.has(f"{module}.qweight")
+        if any(m in module for m in self.not_convert) or not has_q:
+            if has_q:
+                raise ConversionError(f"{module} has AWQ tensors but is listed in modules_to_not_convert")
+            return DENSE
+        return LayerQuant("int", bits=self.bits, group_size=self.group_size, symmetric=False)
+
+    def weight_suffixes(self, lq: LayerQuant) -> tuple[str, ...]:
+        return ("weight",) if lq.scheme == "dense" else ("qweight", "qzeros", "scales")
+
+    def decode_quantized(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
+        return decode_awq(
+            tensors[f"{module}.qweight"],
+            tensors[f"{module}.qzeros"],
+            tensors[f"{module}.scales"],
+            group_size=lq.group_size,
+            bits=lq.bits,
+        )

@@ -1,0 +1,221 @@
+"""compressed-tensors checkpoints (llm-compressor; formats.md §3, vLLM's CompressedTensorsConfig rules).
+
+Supported schemes: pack-quantized int 4/8-bit weight-only (group/channel, sym/asym, actorder
+"group"), float-quantized FP8 weights (tensor/channel/block; activation settings are dropped, the
+kernels quantize activations dynamically) and int-quantized / naive-quantized int8 weights (run as
+W8A16). `ignore` entries are exact names or `re:` regexes (re.match); `targets` match a module by
+exact name, `re:` regex, or a vLLM layer class name containing the target (so "Linear" matches every
+projection but not lm_head, whose class is ParallelLMHead).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.base import Fp8Weight, SourceWeight
+from kernels.codecs.compressed_tensors import decode_int_quantized, decode_pack_quantized
+from kernels.errors import UnsupportedError
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import ConversionError
+from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.formats.gptq import with_explicit_g_idx
+from services.convert.model_layout import LinearLayout
+
+PACKED = "pack-quantized"
+FLOAT = "float-quantized"
+INT = "int-quantized"
+NAIVE = "naive-quantized"
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    targets: tuple[str, ...]
+    weights: dict[str, Any]
+    input_activations: dict[str, Any] | None
+    format: str
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def _strategy(args: dict[str, Any]) -> str:
+    if args.get("strategy"):
+        return str(args["strategy"])
+    gs = args.get("group_size")
+    if gs is None:
+        return "tensor"
+    return "channel" if int(gs) == -1 else "group"
+
+
+class CompressedTensorsFormat(CheckpointFormat):
+    name = "compressed-tensors"
+
+    def __init__(self, ckpt: Checkpoint, quantization: dict[str, Any]) -> None:
+        super().__init__(ckpt, quantization)
+        q = quantization
+        global_format = str(q.get("format") or "dense")
+        sparsity = q.get("sparsity_config")
+        if sparsity and str(sparsity.get("format", "dense")) != "dense":
+            raise UnsupportedError(
+                f"compressed-tensors sparsity format {sparsity.get('format')!r} is not supported. "
+                f"{SUPPORTED_FORMATS_MESSAGE}"
+            )
+        if q.get("transform_config"):
+            raise UnsupportedError(
+                f"compressed-tensors transforms are not supported. {SUPPORTED_FORMATS_MESSAGE}"
+            )
+        self.ignore = [str(x) for x in (q.get("ignore") or [])]
+        self.groups: list[_Group] = []
+        for gname, g in (q.get("config_groups") or {}).items():
+            targets = tuple(str(t) for t in (g.get("targets") or []))
+            if targets and all(t.endswith("Attention") for t in targets):
+                continue  # attention (KV cache) groups: vLLM drops them too
+            self.groups.append(
+                _Group(
+                    gname,
+                    targets,
+                    g.get("weights") or {},
+                    g.get("input_activations"),
+                    str(g.get("format") or global_format),
+                )
+            )
+        if not self.groups:
+            raise ConversionError("compressed-tensors config has no config_groups with weight targets")
+        self._schemes = {g.name: self._scheme(g) for g in self.groups}
+
+    @classmethod
+    def detect(
+        cls, ckpt: Checkpoint, quantization: dict[str, Any] | None, where: str
+    ) -> CompressedTensorsFormat | None:
+        if quantization is None:
+            return None
+        method = str(quantization.get("quant_method", "")).lower().replace("_", "-")
+        return cls(ckpt, quantization) if method == "compressed-tensors" else None
+
+    def _scheme(self, g: _Group) -> LayerQuant:
+        w = g.weights
+        bits = int(w.get("num_bits", 8))
+        typ = str(w.get("type", "int"))
+        strategy = _strategy(w)
+        sym = bool(w.get("symmetric", True))
+        gs = int(w["group_size"]) if w.get("group_size") is not None and strategy == "group" else -1
+        actorder = w.get("actorder")
+        act_order = actorder in ("group", "dynamic", True)
+        unsupported = UnsupportedError(
+            f"compressed-tensors group {g.name!r} (format {g.format}, {typ}{bits}, strategy {strategy}"
+            f"{', activations ' + str(g.input_activations.get('type')) if g.input_activations else ''}) "
+            f"is not supported. {SUPPORTED_FORMATS_MESSAGE}"
+        )
+        if g.format == PACKED:
+            if (
+                typ != "int"
+                or bits not in (4, 8)
+                or strategy not in ("group", "channel")
+                or g.input_activations
+            ):
+                raise unsupported
+            return LayerQuant("int", bits=bits, group_size=gs, symmetric=sym, act_order=act_order and gs > 0)
+        if g.format in (FLOAT, NAIVE) and typ == "float":
+            if bits != 8 or strategy not in ("tensor", "channel", "block") or not sym:
+                raise unsupported
+            block = tuple(int(x) for x in w.get("block_structure") or ()) or None
+            if strategy == "block" and (block is None or len(block) != 2):
+                raise unsupported
+            return LayerQuant(
+                "fp8", bits=8, fp8_strategy=strategy, block_size=block if strategy == "block" else None
+            )  # type: ignore[arg-type]
+        if g.format in (INT, NAIVE) and typ == "int" and bits == 8:
+            if strategy not in ("tensor", "channel", "group"):
+                raise unsupported
+            if g.input_activations:
+                self.notes.append(f"group {g.name}: int8 activations are dropped (run as W8A16)")
+            return LayerQuant("int", bits=8, group_size=gs, symmetric=sym)
+        raise unsupported
+
+    def _group_for(self, module: str, layout: LinearLayout) -> _Group | None:
+        for g in self.groups:
+            if any(_matches(module, t) for t in g.targets):
+                return g
+        for g in self.groups:
+            if any(not t.startswith("re:") and t.lower() in layout.layer_class.lower() for t in g.targets):
+                return g
+        return None
+
+    def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
+        quantized_tensors = any(self.ckpt.has(f"{module}.{s}") for s in ("weight_packed", "weight_scale"))
+        if any(_matches(module, p) for p in self.ignore):
+            if quantized_tensors:
+                raise ConversionError(f"{module} is in `ignore` but has quantized tensors")
+            return DENSE
+        group = self._group_for(module, layout)
+        if group is None:
+            if quantized_tensors:
+                raise ConversionError(
+                    f"{module} has quantized tensors but matches no config_groups target"
+                    " and is not in `ignore`"
+                )
+            return DENSE
+        return self._schemes[group.name]
+
+    def source_tensors(self, module: str, lq: LayerQuant) -> list[str]:
+        if lq.scheme == "dense":
+            return super().source_tensors(module, lq)
+        packed = self.ckpt.has(f"{module}.weight_packed")
+        main = "weight_packed" if packed else "weight"
+        required = [main, "weight_scale"]
+        if lq.scheme == "int" and not lq.symmetric:
+            required.append("weight_zero_point")
+        if lq.act_order:
+            required.append("weight_g_idx")
+        optional = ["weight_zero_point", "weight_g_idx", "weight_shape"] if packed else ["weight_zero_point"]
+        missing = [s for s in required if not self.ckpt.has(f"{module}.{s}")]
+        if missing:
+            raise ConversionError(
+                f"{module}: the checkpoint lacks {', '.join(f'{module}.{s}' for s in missing)} "
+                f"required for a compressed-tensors {lq.describe()} layer"
+            )
+        names = [
+            f"{module}.{s}" for s in dict.fromkeys(required + optional) if self.ckpt.has(f"{module}.{s}")
+        ]
+        if self.ckpt.has(f"{module}.bias"):
+            names.append(f"{module}.bias")
+        return names
+
+    def decode_quantized(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
+        if lq.scheme == "fp8":
+            weight = tensors[f"{module}.weight"]
+            scale = tensors[f"{module}.weight_scale"].float()
+            if lq.fp8_strategy == "tensor":
+                return Fp8Weight(weight, scale.reshape(1), "tensor")
+            if lq.fp8_strategy == "channel":
+                return Fp8Weight(weight, scale.reshape(-1), "channel")
+            return Fp8Weight(weight, scale, "block", block_size=lq.block_size)
+        if f"{module}.weight_packed" in tensors:
+            shape = tensors.get(f"{module}.weight_shape")
+            w = decode_pack_quantized(
+                tensors[f"{module}.weight_packed"],
+                tensors[f"{module}.weight_scale"],
+                tensors.get(f"{module}.weight_zero_point"),
+                tensors.get(f"{module}.weight_g_idx"),
+                bits=lq.bits,
+                group_size=lq.group_size,
+                k=int(shape[1]) if shape is not None else None,
+            )
+            return with_explicit_g_idx(w, lq)
+        weight = tensors[f"{module}.weight"]
+        if weight.dtype != torch.int8:
+            raise ConversionError(f"{module}.weight is {weight.dtype}; int-quantized layers store int8")
+        return decode_int_quantized(
+            weight,
+            tensors[f"{module}.weight_scale"],
+            tensors.get(f"{module}.weight_zero_point"),
+            group_size=lq.group_size,
+        )

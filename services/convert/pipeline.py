@@ -1,0 +1,282 @@
+"""Convert one planned (checkpoint, target, tp) into a committed artifact, layer by layer.
+
+Per linear layer: read its source tensors (memory-mapped / ranged GETs), decode every shard into a
+canonical weight, then per TP rank slice + fuse, quantize online (--method fp8), `kernel.prepare`,
+verify `kernel.dequantize` against the source, and append the tensors to that rank's streaming
+safetensors writer. Only one layer's tensors are in memory at a time. Files are staged through the
+store's writer; manifest.json is written last (the commit point); any failure or cancellation
+aborts the writer so nothing is left visible.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from kernels.base import DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.codecs.fp8 import quantize_fp8
+from runtime.artifact.manifest import (
+    FileEntry,
+    LayerEntry,
+    LayerVerification,
+    Manifest,
+    Rejection,
+    SourceInfo,
+    Verification,
+    artifact_id,
+    source_digest,
+)
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import Cancelled, VerificationError
+from services.convert.formats.base import CheckpointFormat
+from services.convert.plan import Plan, PlannedLayer
+from services.convert.safetensors_io import StreamingSafetensorsWriter
+from services.convert.tp import column_range, fuse, slice_cols, slice_rows
+from services.convert.verify import compare
+from services.storage.base import ArtifactStore
+from services.storage.errors import ArtifactExistsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # hashing | converting | writing | committing | done
+    done: int  # layers done
+    total: int
+    bytes_done: int  # source bytes processed
+    bytes_total: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    artifact_id: str
+    target: str
+    tp: int
+    uri: str
+    manifest: Manifest
+    reused: bool
+
+
+ProgressFn = Callable[[Progress], None]
+CancelFn = Callable[[], bool]
+
+
+def kiln_version() -> str:
+    try:
+        return version("kiln")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def plan_artifact_id(plan: Plan, hashes: dict[str, str]) -> str:
+    return artifact_id(
+        source_digest(hashes), plan.target.value, plan.tp, plan.method, plan.layout_versions(), plan.options
+    )
+
+
+def _prepare(
+    kernel: LinearKernel, weight: SourceWeight, spec: LinearSpec, target: Target
+) -> dict[str, torch.Tensor]:
+    if "target" in inspect.signature(kernel.prepare).parameters:
+        return kernel.prepare(weight, spec, target=target)  # type: ignore[call-arg]
+    return kernel.prepare(weight, spec)
+
+
+def _rank_weight(plan: Plan, pl: PlannedLayer, shards: list[SourceWeight], rank: int) -> SourceWeight:
+    layout = pl.layout
+    parts = []
+    for shard, w in zip(layout.shards, shards, strict=True):
+        if layout.row_parallel:
+            parts.append(slice_cols(w, rank, plan.tp, shard.module))
+        else:
+            parts.append(slice_rows(w, column_range(shard, layout, plan.dims, rank, plan.tp), shard.module))
+    return fuse(parts, [s.module for s in layout.shards])
+
+
+def _worst(a: LayerVerification | None, b: LayerVerification) -> LayerVerification:
+    if a is None or (b.metric != "exact" and (a.metric == "exact" or b.value > a.value)):
+        return b
+    return a
+
+
+def convert_layer(
+    ckpt: Checkpoint,
+    fmt: CheckpointFormat,
+    plan: Plan,
+    pl: PlannedLayer,
+    writers: list[StreamingSafetensorsWriter],
+) -> LayerEntry:
+    tensors = ckpt.read(pl.source_tensors)
+    shards = [fmt.decode(s.module, pl.quant, tensors) for s in pl.layout.shards]
+    del tensors
+    worst: LayerVerification | None = None
+    suffixes: list[str] | None = None
+    for rank, spec in enumerate(pl.specs):
+        weight = _rank_weight(plan, pl, shards, rank)
+        reference = weight
+        if pl.online_fp8:
+            assert isinstance(weight, DenseWeight)
+            strategy = pl.target_quant.fp8_strategy or "tensor"
+            weight = quantize_fp8(
+                weight.weight, strategy, block_size=pl.target_quant.block_size or (128, 128)
+            )
+            weight.bias = reference.bias
+        prepared = _prepare(pl.kernel, weight, spec, plan.target)
+        got = pl.kernel.dequantize(prepared, spec)
+        check = compare(got, reference, spec.torch_act_dtype, online_fp8=pl.online_fp8)
+        if not check.ok:
+            raise VerificationError(
+                f"layer {pl.name} (rank {rank}, kernel {pl.kernel.name}): the artifact's weights do not "
+                f"reproduce the source: {check.metric} {check.value:.4g} > bound {check.bound:.4g}; "
+                "this is a kernel layout bug — disable the kernel with KILN_DISABLED_KERNELS and report it"
+            )
+        worst = _worst(worst, check)
+        names = sorted(prepared)
+        if suffixes is not None and names != suffixes:
+            raise VerificationError(f"layer {pl.name}: ranks store different tensors ({suffixes} vs {names})")
+        suffixes = names
+        for suffix in names:
+            writers[rank].add(f"{pl.name}.{suffix}", prepared[suffix])
+        del prepared, got, weight
+    return LayerEntry(
+        kernel=pl.kernel.name,
+        layout_version=pl.kernel.layout_version,
+        spec=pl.specs[0].to_json(),
+        tensors=suffixes or [],
+        source_tensors=list(pl.source_tensors),
+        rejected=[Rejection(kernel=k, reason=r) for k, r in pl.rejected],
+        fallback=pl.fallback,
+        verification=worst,
+    )
+
+
+def _other_tensor(t: torch.Tensor, plan: Plan) -> torch.Tensor:
+    if plan.act_dtype == "float16" and t.dtype in (torch.bfloat16, torch.float32):
+        return t.to(torch.float16)  # sm75 has no bf16
+    return t
+
+
+def convert_plan(
+    ckpt: Checkpoint,
+    fmt: CheckpointFormat,
+    plan: Plan,
+    store: ArtifactStore,
+    *,
+    progress: ProgressFn | None = None,
+    should_cancel: CancelFn | None = None,
+    workdir: Path | None = None,
+) -> ConversionResult:
+    hashes = ckpt.file_hashes()
+    aid = plan_artifact_id(plan, hashes)
+    if store.exists(aid):
+        log.info("artifact %s already exists at %s: nothing to do", aid, store.uri(aid))
+        return ConversionResult(
+            aid,
+            plan.target.value,
+            plan.tp,
+            store.uri(aid),
+            Manifest.parse(store.read_manifest(aid)),
+            reused=True,
+        )
+    report = progress or (lambda p: None)
+    cancelled = should_cancel or (lambda: False)
+    started = time.monotonic()
+    writer = store.begin(aid)
+    scratch = Path(tempfile.mkdtemp(prefix=f"kiln-{aid}-", dir=workdir))
+    rank_writers = [StreamingSafetensorsWriter(scratch / f"rank{r}.safetensors") for r in range(plan.tp)]
+    total = len(plan.layers) + 1
+    bytes_total = sum(ckpt.info(t).nbytes for pl in plan.layers for t in pl.source_tensors) + sum(
+        ckpt.info(t).nbytes for t in plan.other_tensors
+    )
+    bytes_done = 0
+    try:
+        entries: dict[str, LayerEntry] = {}
+        for i, pl in enumerate(plan.layers):
+            if cancelled():
+                raise Cancelled(
+                    f"conversion of {plan.source} for {plan.target.value} cancelled at layer {pl.name}"
+                )
+            entries[pl.name] = convert_layer(ckpt, fmt, plan, pl, rank_writers)
+            bytes_done += sum(ckpt.info(t).nbytes for t in pl.source_tensors)
+            report(Progress("converting", i + 1, total, bytes_done, bytes_total, pl.name))
+        if cancelled():
+            raise Cancelled(f"conversion of {plan.source} for {plan.target.value} cancelled")
+        for name in plan.other_tensors:
+            t = _other_tensor(ckpt.read_one(name), plan)
+            for w in rank_writers:
+                w.add(name, t)
+            bytes_done += ckpt.info(name).nbytes
+        report(Progress("writing", total, total, bytes_done, bytes_total, "rank files"))
+        files: list[FileEntry] = []
+        for rank, w in enumerate(rank_writers):
+            path = w.finish()
+            size, digest = writer.put_file(path.name, path, move=True)
+            files.append(FileEntry(name=path.name, size=size, sha256=digest, rank=rank))
+        for name in ["config.json", *ckpt.present_side_files()]:
+            size, digest = writer.put_bytes(name, ckpt.source.read_bytes(name))
+            files.append(FileEntry(name=name, size=size, sha256=digest, rank=None))
+        if cancelled():
+            raise Cancelled(f"conversion of {plan.source} for {plan.target.value} cancelled before commit")
+        checks = [e.verification for e in entries.values() if e.verification is not None]
+        manifest = Manifest(
+            artifact_id=aid,
+            kiln_version=kiln_version(),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            source=SourceInfo(
+                uri=plan.source,
+                format=plan.format,
+                digest=source_digest(hashes),
+                files=hashes,
+                quantization=plan.quantization,
+            ),
+            target=plan.target.value,
+            tp=plan.tp,
+            method=plan.method,
+            options=plan.options,
+            architecture=plan.dims.architecture,
+            act_dtype=plan.act_dtype,
+            hf_config=ckpt.config,
+            layers=entries,
+            other_tensors=plan.other_tensors,
+            files=files,
+            verification=Verification(
+                ok=all(c.ok for c in checks),
+                layers_checked=len(checks),
+                layers_exact=sum(c.metric == "exact" for c in checks),
+                max_rel_err=max((c.value for c in checks if c.metric == "max_rel_err"), default=0.0),
+                seconds=round(time.monotonic() - started, 3),
+            ),
+        )
+        report(Progress("committing", total, total, bytes_done, bytes_total, aid))
+        writer.commit(manifest.to_json_bytes())
+    except ArtifactExistsError:
+        log.info("artifact %s was committed concurrently by another writer; using it", aid)
+        return ConversionResult(
+            aid,
+            plan.target.value,
+            plan.tp,
+            store.uri(aid),
+            Manifest.parse(store.read_manifest(aid)),
+            reused=True,
+        )
+    except BaseException:
+        for w in rank_writers:
+            w.discard()
+        writer.abort()
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(Progress("done", total, total, bytes_done, bytes_total, aid))
+    return ConversionResult(aid, plan.target.value, plan.tp, store.uri(aid), manifest, reused=False)

@@ -1,0 +1,304 @@
+"""The conversion plan: for every linear layer, its scheme, per-rank LinearSpec, the kernel chosen
+for the target and every kernel rejected on the way (vLLM's choose_mp_linear_kernel idea).
+
+A layer "falls back" when the kernel that would take its scheme at a kernel-friendly shape refused
+this layer's actual (per-rank) shape, e.g. Marlin's N % 64 / K % 128 rules; the plan says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kernels.base import LinearKernel, LinearSpec, ShardSpec, Target
+from kernels.errors import NoKernelError, UnsupportedError
+from kernels.registry import choose_kernel
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import ConversionError
+from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
+from services.convert.model_layout import LinearLayout, ModelDims, linear_layouts
+from services.convert.tp import column_range
+
+Method = Literal["auto", "fp8"]
+Fp8Scheme = Literal["tensor", "channel", "block"]
+METHODS = ("auto", "fp8")
+FP8_SCHEMES = ("tensor", "channel", "block")
+ONLINE_FP8_BLOCK = (128, 128)
+_IDEAL_DIM = 4096  # a shape every kernel takes, to tell a shape fallback from a scheme mismatch
+_FLOAT_ACT = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
+# Tensor suffixes that only quantized layers have: left over after planning they mean a layer Kiln
+# does not know, which it must not silently pass through.
+QUANTIZED_SUFFIXES = (
+    "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+    "weight_g_idx", "weight_shape", "weight_scale_inv", "input_scale",
+)  # fmt: skip
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class PlannedLayer:
+    layout: LinearLayout
+    quant: LayerQuant  # as stored in the checkpoint (agreed by every shard)
+    target_quant: LayerQuant  # what the artifact holds (online FP8 changes dense -> fp8)
+    specs: list[LinearSpec]  # one per TP rank
+    kernel: LinearKernel
+    rejected: list[tuple[str, str]]
+    fallback: bool
+    source_tensors: list[str]
+
+    @property
+    def online_fp8(self) -> bool:
+        return self.quant.scheme == "dense" and self.target_quant.scheme == "fp8"
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    layer: str
+    shards: list[str]
+    scheme: str
+    kernel: str
+    fallback: bool
+    rejections: list[tuple[str, str]]
+    n: int
+    k: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejections"] = [{"kernel": k, "reason": r} for k, r in self.rejections]
+        return d
+
+
+@dataclass
+class Plan:
+    source: str
+    format: str
+    quantization: dict[str, Any] | None
+    target: Target
+    tp: int
+    method: str
+    fp8_scheme: str
+    act_dtype: str
+    dims: ModelDims
+    layers: list[PlannedLayer]
+    other_tensors: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[PlanRow]:
+        return [
+            PlanRow(
+                layer=pl.name,
+                shards=[s.module for s in pl.layout.shards],
+                scheme=pl.target_quant.describe() + (" (online)" if pl.online_fp8 else ""),
+                kernel=pl.kernel.name,
+                fallback=pl.fallback,
+                rejections=list(pl.rejected),
+                n=pl.specs[0].n,
+                k=pl.specs[0].k,
+            )
+            for pl in self.layers
+        ]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"fp8_scheme": self.fp8_scheme} if self.method == "fp8" else {}
+
+    def layout_versions(self) -> dict[str, int]:
+        return {pl.kernel.name: pl.kernel.layout_version for pl in self.layers}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "format": self.format,
+            "quantization": self.quantization,
+            "target": self.target.value,
+            "tp": self.tp,
+            "method": self.method,
+            "options": self.options,
+            "act_dtype": self.act_dtype,
+            "architecture": self.dims.architecture,
+            "notes": self.notes,
+            "layers": [r.to_json() for r in self.rows],
+            "other_tensors": self.other_tensors,
+            "fallbacks": sum(pl.fallback for pl in self.layers),
+        }
+
+
+def act_dtype_for(dims: ModelDims, target: Target) -> str:
+    if target is Target.SM75:
+        return "float16"
+    dtype = _FLOAT_ACT.get(dims.torch_dtype.removeprefix("torch."))
+    if dtype:
+        return dtype
+    return "float32" if target is Target.CPU else "bfloat16"
+
+
+def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:
+    quants = [(s.module, fmt.layer_quant(s.module, layout)) for s in layout.shards]
+    first = quants[0][1]
+    if any(q != first for _, q in quants[1:]):
+        detail = ", ".join(f"{m}: {q.describe()}" for m, q in quants)
+        raise UnsupportedError(
+            f"the shards of fused layer {layout.name} are quantized differently ({detail}); all shards of "
+            "qkv_proj / gate_up_proj must share scheme, bits, group size and ignore status"
+        )
+    return first
+
+
+def _target_quant(quant: LayerQuant, layout: LinearLayout, method: str, fp8_scheme: str) -> LayerQuant:
+    if method != "fp8" or layout.name == "lm_head" or quant.scheme != "dense":
+        return quant
+    return LayerQuant(
+        "fp8",
+        bits=8,
+        fp8_strategy=fp8_scheme,  # type: ignore[arg-type]
+        block_size=ONLINE_FP8_BLOCK if fp8_scheme == "block" else None,
+    )
+
+
+def rank_specs(
+    layout: LinearLayout, q: LayerQuant, dims: ModelDims, tp: int, act_dtype: str, has_bias: bool
+) -> list[LinearSpec]:
+    specs = []
+    for rank in range(tp):
+        if layout.row_parallel:
+            if layout.k % tp:
+                raise UnsupportedError(
+                    f"{layout.name}: K={layout.k} input features cannot be split over tp={tp}"
+                )
+            shard_sizes = [s.size for s in layout.shards]
+            k = layout.k // tp
+        else:
+            shard_sizes = [column_range(s, layout, dims, rank, tp).size for s in layout.shards]
+            k = layout.k
+        specs.append(
+            LinearSpec(
+                name=layout.name,
+                scheme=q.scheme,
+                n=sum(shard_sizes),
+                k=k,
+                k_full=layout.k,
+                bits=q.bits,
+                group_size=q.group_size,
+                symmetric=q.symmetric,
+                act_order=q.act_order,
+                fp8_strategy=q.fp8_strategy,
+                block_size=q.block_size,
+                row_parallel=layout.row_parallel and tp > 1,
+                has_bias=has_bias,
+                act_dtype=act_dtype,
+                shards=tuple(
+                    ShardSpec(s.module, size) for s, size in zip(layout.shards, shard_sizes, strict=True)
+                )
+                if layout.fused
+                else (),
+            )
+        )
+    return specs
+
+
+def _ideal(spec: LinearSpec) -> LinearSpec:
+    ratio = spec.k_full // spec.k if spec.k else 1
+    return dataclasses.replace(spec, n=_IDEAL_DIM, k=_IDEAL_DIM, k_full=_IDEAL_DIM * ratio, shards=())
+
+
+def choose(spec: LinearSpec, target: Target, disabled: tuple[str, ...]) -> tuple[LinearKernel, list, bool]:
+    choice = choose_kernel(spec, target, disabled)
+    try:
+        preferred = choose_kernel(_ideal(spec), target, disabled).kernel.name
+    except NoKernelError:
+        preferred = choice.kernel.name
+    return choice.kernel, choice.rejected, preferred != choice.kernel.name
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    fmt: CheckpointFormat,
+    target: str | Target,
+    *,
+    tp: int = 1,
+    method: str = "auto",
+    fp8_scheme: str = "tensor",
+    disabled_kernels: tuple[str, ...] = (),
+) -> Plan:
+    target = _target(target)
+    if method not in METHODS:
+        raise UnsupportedError(f"method {method!r} is not supported; use one of {', '.join(METHODS)}")
+    if fp8_scheme not in FP8_SCHEMES:
+        raise UnsupportedError(
+            f"--fp8-scheme {fp8_scheme!r} is not supported; use one of {', '.join(FP8_SCHEMES)}"
+        )
+    if tp < 1:
+        raise UnsupportedError(f"tp must be >= 1, got {tp}")
+    if method == "fp8" and fmt.quantization is not None:
+        raise UnsupportedError(
+            f"--method fp8 quantizes an unquantized (bf16/fp16/fp32) checkpoint online, but {ckpt.uri} is "
+            f"already quantized ({fmt.describe()}); use --method auto to keep its quantization"
+        )
+    dims = ModelDims.from_config(ckpt.config)
+    act_dtype = act_dtype_for(dims, target)
+    has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
+    layers: list[PlannedLayer] = []
+    consumed: set[str] = set()
+    for layout in linear_layouts(dims, has_lm_head):
+        quant = _agree(fmt, layout)
+        tq = _target_quant(quant, layout, method, fp8_scheme)
+        sources = [t for s in layout.shards for t in fmt.source_tensors(s.module, quant)]
+        consumed.update(sources)
+        has_bias = all(ckpt.has(f"{s.module}.bias") for s in layout.shards)
+        specs = rank_specs(layout, tq, dims, tp, act_dtype, has_bias)
+        kernel, rejected, fallback = choose(specs[0], target, disabled_kernels)
+        for spec in specs[1:]:
+            ok, reason = kernel.can_implement(spec, target)
+            if not ok:
+                raise UnsupportedError(
+                    f"{layout.name}: kernel {kernel.name} rejects a TP rank's shape: {reason}"
+                )
+        layers.append(PlannedLayer(layout, quant, tq, specs, kernel, rejected, fallback, sources))
+    others = []
+    for name, info in sorted(ckpt.tensors.items()):
+        if name in consumed or name.endswith(IGNORED_TENSOR_SUFFIXES):
+            continue
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix in QUANTIZED_SUFFIXES or info.dtype == "F8_E4M3":
+            raise ConversionError(
+                f"tensor {name} belongs to a quantized layer Kiln does not know (only Llama-family "
+                "q/k/v/o/gate/up/down projections and lm_head are converted)"
+            )
+        others.append(name)
+    notes = list(fmt.notes)
+    if tp > 1:
+        notes.append("embeddings, norms and lm_head are replicated on every rank (vocabulary not sharded)")
+    if dims.tie_word_embeddings and not has_lm_head:
+        notes.append("tied embeddings: lm_head reuses model.embed_tokens.weight")
+    return Plan(
+        source=ckpt.uri,
+        format=fmt.name,
+        quantization=fmt.quantization,
+        target=target,
+        tp=tp,
+        method=method,
+        fp8_scheme=fp8_scheme,
+        act_dtype=act_dtype,
+        dims=dims,
+        layers=layers,
+        other_tensors=others,
+        notes=notes,
+    )
+
+
+def _target(target: str | Target) -> Target:
+    try:
+        return Target(target)
+    except ValueError as e:
+        raise UnsupportedError(
+            f"unknown target {target!r}; use one of {', '.join(t.value for t in Target)}"
+        ) from e
+
+
+__all__ = ["DENSE", "Plan", "PlanRow", "PlannedLayer", "build_plan"]

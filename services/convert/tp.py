@@ -1,0 +1,183 @@
+"""Tensor-parallel slicing and fusing of canonical weights (formats.md §9), done before layout prep.
+
+Column-parallel layers (qkv_proj, gate_up_proj) split output features per shard: q by attention
+heads, k/v by KV heads (replicated when kv_heads < tp: rank r holds KV head r // (tp // kv_heads)),
+gate/up evenly. Row-parallel layers (o_proj, down_proj) split input features; their group scales
+and zero points split along G, except with act-order (every rank keeps all groups g_idx can name,
+g_idx itself is split) and channelwise scales (replicated), as vLLM's
+marlin_repeat_scales_on_all_ranks. lm_head, embeddings and norms are replicated on every rank
+(Kiln does not shard the vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
+from kernels.errors import UnsupportedError
+from services.convert.errors import ConversionError
+from services.convert.model_layout import LinearLayout, ModelDims, ShardLayout
+
+
+@dataclass(frozen=True)
+class RowRange:
+    start: int
+    size: int
+
+
+def column_range(shard: ShardLayout, layout: LinearLayout, dims: ModelDims, rank: int, tp: int) -> RowRange:
+    """Rows of one shard that rank `rank` holds."""
+    if tp == 1 or layout.decoder_layer is None:
+        return RowRange(0, shard.size)
+    if shard.heads:
+        head = dims.head_dim
+        heads = shard.heads
+        if heads >= tp:
+            if heads % tp:
+                raise UnsupportedError(f"{shard.module}: {heads} heads cannot be split over tp={tp}")
+            per = heads // tp
+            return RowRange(rank * per * head, per * head)
+        if tp % heads:
+            raise UnsupportedError(f"{shard.module}: {heads} KV heads cannot be replicated over tp={tp}")
+        return RowRange((rank // (tp // heads)) * head, head)
+    if shard.size % tp:
+        raise UnsupportedError(f"{shard.module}: {shard.size} output features cannot be split over tp={tp}")
+    per = shard.size // tp
+    return RowRange(rank * per, per)
+
+
+def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
+    s, e = r.start, r.start + r.size
+    bias = None if w.bias is None else w.bias[s:e]
+    if isinstance(w, IntWeight):
+        return IntWeight(
+            codes=w.codes[s:e],
+            scales=w.scales[:, s:e],
+            bits=w.bits,
+            group_size=w.group_size,
+            zeros=None if w.zeros is None else w.zeros[:, s:e],
+            g_idx=w.g_idx,
+            bias=bias,
+        )
+    if isinstance(w, Fp8Weight):
+        n = w.weight.shape[0]
+        if w.strategy == "tensor":
+            scale = w.scale
+        elif w.strategy == "channel":
+            scale = w.scale[s:e]
+        else:
+            assert w.block_size is not None
+            bn = w.block_size[0]
+            if s % bn or (e % bn and e != n):
+                raise UnsupportedError(
+                    f"{name}: FP8 block size {bn} does not divide the rank slice [{s}, {e}) of the "
+                    "output features; use a TP size whose per-rank output is a multiple of the block"
+                )
+            scale = w.scale[s // bn : -(-e // bn)]
+        return Fp8Weight(w.weight[s:e], scale, w.strategy, w.block_size, (), bias)
+    return DenseWeight(w.weight[s:e], bias)
+
+
+def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
+    """Row-parallel slice: input features [rank*K/tp, (rank+1)*K/tp)."""
+    if tp == 1:
+        return w
+    k = w.codes.shape[1] if isinstance(w, IntWeight) else w.weight.shape[1]
+    if k % tp:
+        raise UnsupportedError(f"{name}: {k} input features cannot be split over tp={tp}")
+    part = k // tp
+    s, e = rank * part, (rank + 1) * part
+    if w.bias is not None and tp > 1:
+        raise UnsupportedError(f"{name}: a bias on a row-parallel layer is not supported with tp > 1")
+    if isinstance(w, IntWeight):
+        if w.g_idx is not None or w.group_size in (-1, 0):
+            scales, zeros = w.scales, w.zeros  # replicated on every rank
+            g_idx = None if w.g_idx is None else w.g_idx[s:e]
+        else:
+            gs = w.group_size
+            if s % gs or part % gs:
+                raise UnsupportedError(
+                    f"{name}: group size {gs} does not divide the per-rank input features {part} (tp={tp})"
+                )
+            scales = w.scales[s // gs : e // gs]
+            zeros = None if w.zeros is None else w.zeros[s // gs : e // gs]
+            g_idx = None
+        return IntWeight(w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias)
+    if isinstance(w, Fp8Weight):
+        scale = w.scale
+        if w.strategy == "block":
+            assert w.block_size is not None
+            bk = w.block_size[1]
+            if s % bk or part % bk:
+                raise UnsupportedError(
+                    f"{name}: FP8 block size {bk} does not divide the per-rank input features "
+                    f"{part} (tp={tp})"
+                )
+            scale = w.scale[:, s // bk : e // bk]
+        return Fp8Weight(w.weight[:, s:e], scale, w.strategy, w.block_size, w.shard_sizes, w.bias)
+    return DenseWeight(w.weight[:, s:e], w.bias)
+
+
+def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
+    """Concatenate per-rank shard weights along N into one fused weight (q|k|v, gate|up)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    bias = _fuse_bias(parts, names)
+    if all(isinstance(p, IntWeight) for p in parts):
+        ints: list[IntWeight] = parts  # type: ignore[assignment]
+        for p, name in zip(ints[1:], names[1:], strict=True):
+            same_g = (p.g_idx is None and ints[0].g_idx is None) or (
+                p.g_idx is not None and ints[0].g_idx is not None and torch.equal(p.g_idx, ints[0].g_idx)
+            )
+            if not same_g:
+                raise ConversionError(
+                    f"shards {names[0]} and {name} have different act-order g_idx; a fused layer needs one "
+                    "input-channel order (re-quantize them with the same activation order)"
+                )
+            if (p.zeros is None) != (ints[0].zeros is None):
+                raise ConversionError(f"shards {names[0]} and {name} disagree on zero points")
+        return IntWeight(
+            codes=torch.cat([p.codes for p in ints]),
+            scales=torch.cat([p.scales for p in ints], dim=1),
+            bits=ints[0].bits,
+            group_size=ints[0].group_size,
+            zeros=None if ints[0].zeros is None else torch.cat([p.zeros for p in ints], dim=1),  # type: ignore[misc]
+            g_idx=ints[0].g_idx,
+            bias=bias,
+        )
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        fps: list[Fp8Weight] = parts  # type: ignore[assignment]
+        weight = torch.cat([p.weight for p in fps])
+        if fps[0].strategy == "tensor":
+            scale = torch.cat([p.scale.reshape(-1) for p in fps])
+            return Fp8Weight(weight, scale, "tensor", None, tuple(p.weight.shape[0] for p in fps), bias)
+        if fps[0].strategy == "block":
+            assert fps[0].block_size is not None
+            bn = fps[0].block_size[0]
+            for p, name in zip(fps[:-1], names[:-1], strict=True):
+                if p.weight.shape[0] % bn:
+                    raise UnsupportedError(
+                        f"{name}: {p.weight.shape[0]} output rows per rank is not a multiple of the "
+                        f"FP8 block {bn}, so it cannot be fused with the next shard"
+                    )
+        return Fp8Weight(
+            weight, torch.cat([p.scale for p in fps]), fps[0].strategy, fps[0].block_size, (), bias
+        )
+    if all(isinstance(p, DenseWeight) for p in parts):
+        return DenseWeight(torch.cat([p.weight for p in parts]), bias)  # type: ignore[union-attr]
+    raise ConversionError(
+        f"shards {', '.join(names)} have different weight kinds ({type(first).__name__} ...)"
+    )
+
+
+def _fuse_bias(parts: list[SourceWeight], names: list[str]) -> torch.Tensor | None:
+    have = [p.bias is not None for p in parts]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [n for n, h in zip(names, have, strict=True) if not h]
+        raise ConversionError(f"some shards of a fused layer have a bias and {', '.join(missing)} do not")
+    return torch.cat([p.bias for p in parts])  # type: ignore[misc]

@@ -1,0 +1,73 @@
+"""Verification: every converted layer is dequantized from the artifact's own tensors (through its
+kernel's `dequantize`) and compared with the source's canonical weights.
+
+Bounds (named, documented):
+* integer layers: compared in units of each element's quantization step (its group scale, cast to
+  the activation dtype the runtime uses). Identical -> "exact". A kernel that rounds scales to a
+  narrower float (cpu_int4 keeps bf16 scales and an fp32 zero-point term) may differ by at most
+  INT_STEP_BOUND steps; one wrong code or zero point is a whole step and fails.
+* FP8 from an FP8 checkpoint: exact unless the kernel requantizes fused per-tensor shards to one
+  scale (vLLM's requantize_with_max_scale) or casts scales: max |diff| / max |w| <= FP8_REL_BOUND.
+* online FP8 (from bf16/fp16): e4m3 round-to-nearest has relative error <= 2^-4 for normals and a
+  negligible absolute error for subnormals, so max |diff| / max |w| <= FP8_REL_BOUND.
+* dense layers: exact unless the kernel casts the dtype (bf16 -> fp16 for sm75, fp32 -> bf16):
+  max |diff| / max |w| <= DENSE_CAST_REL_BOUND.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.base import Fp8Weight, IntWeight, SourceWeight
+from runtime.artifact.manifest import LayerVerification
+
+INT_STEP_BOUND = 0.25
+FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding slack
+DENSE_CAST_REL_BOUND = 2.0**-8
+_TINY = 1e-30
+
+
+def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(diff.max() / ref.abs().max().clamp_min(_TINY)) if diff.numel() else 0.0
+
+
+def references(source: SourceWeight, act_dtype: torch.dtype) -> list[torch.Tensor]:
+    """(N, K) float32 weights the artifact may reproduce exactly: integer scales as stored in the
+    checkpoint, or cast to the activation dtype (what vLLM's loader does)."""
+    if isinstance(source, IntWeight):
+        refs = [source.dequantize()]
+        if source.scales.dtype != act_dtype:
+            cast = IntWeight(
+                source.codes,
+                source.scales.to(act_dtype),
+                source.bits,
+                source.group_size,
+                source.zeros,
+                source.g_idx,
+            )
+            refs.append(cast.dequantize())
+        return refs
+    return [source.dequantize()]
+
+
+def compare(
+    got: torch.Tensor, source: SourceWeight, act_dtype: torch.dtype, *, online_fp8: bool = False
+) -> LayerVerification:
+    refs = references(source, act_dtype)
+    ref = refs[0]
+    if got.shape != ref.shape:
+        return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
+    got = got.float()
+    if any(torch.equal(got, r) for r in refs):
+        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+    if not torch.isfinite(got).all():
+        return LayerVerification(ok=False, metric="max_rel_err", value=float("inf"), bound=0.0)
+    if isinstance(source, IntWeight) and not online_fp8:
+        step = source.scales.float()[source.group_index()].T.abs().clamp_min(_TINY)
+        value = min(float(((got - r).abs() / step).max()) for r in refs)
+        return LayerVerification(
+            ok=value <= INT_STEP_BOUND, metric="max_step_err", value=value, bound=INT_STEP_BOUND
+        )
+    bound = FP8_REL_BOUND if (online_fp8 or isinstance(source, Fp8Weight)) else DENSE_CAST_REL_BOUND
+    value = _rel((got - ref).abs(), ref)
+    return LayerVerification(ok=value <= bound, metric="max_rel_err", value=value, bound=bound)

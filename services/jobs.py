@@ -1,0 +1,267 @@
+"""Running one conversion job: shared by the Celery task and the embedded worker thread.
+
+The job row is the source of truth. An attempt is counted in SQL before any work (`claim_job`), so a
+job that keeps killing its worker ends `failed` after `max_attempts` instead of looping forever.
+Progress is written to SQL (throttled), cancellation is read from SQL between layers, and transient
+S3 / database faults surface as `TransientJobError` for the caller to retry with backoff. Conversion
+is idempotent: the converter reuses an artifact whose id is already committed, and recording it in
+SQL is an upsert.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from kernels.errors import KilnError
+from runtime.settings import Settings, get_settings
+from services.db import repo
+from services.db.session import session_scope
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["succeeded", "failed", "cancelled", "missing", "done", "stale", "exhausted"]
+
+
+_TRANSIENT_S3_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "InternalError"})
+
+
+class TransientJobError(Exception):
+    """A fault worth retrying (S3 or database unreachable, throttled, 5xx); the attempt is counted."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for connection-level S3 / SQL / Redis faults anywhere in the exception's cause chain."""
+    import botocore.exceptions as bexc
+    import sqlalchemy.exc as sexc
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(
+            e, bexc.HTTPClientError | bexc.EndpointConnectionError | ConnectionError | TimeoutError
+        ):
+            return True
+        if isinstance(e, bexc.ClientError):
+            err = e.response.get("Error", {})
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if status >= 500 or err.get("Code") in _TRANSIENT_S3_CODES:
+                return True
+        if isinstance(e, sexc.OperationalError | sexc.InterfaceError) or (
+            isinstance(e, sexc.DBAPIError) and e.connection_invalidated
+        ):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class ProgressWriter:
+    """Writes converter progress to the job row: on every stage change, else at most every interval."""
+
+    def __init__(self, job_id: str, settings: Settings) -> None:
+        self.job_id = job_id
+        self.settings = settings
+        self._last_stage = ""
+        self._last_write = 0.0
+
+    def __call__(self, p: object) -> None:
+        stage = str(getattr(p, "stage", ""))
+        done, total = int(getattr(p, "done", 0)), int(getattr(p, "total", 0))
+        now = time.monotonic()
+        if stage == self._last_stage and now - self._last_write < self.settings.progress_write_interval_s:
+            return
+        self._last_stage, self._last_write = stage, now
+        pct = int(100 * done / total) if total > 0 else 0
+        try:
+            with session_scope(self.settings) as s:
+                repo.record_progress(
+                    s, self.job_id, stage=stage, progress=pct, message=str(getattr(p, "message", ""))
+                )
+        except Exception as e:  # progress is advisory: a failed write must not fail the conversion
+            log.warning("job %s: progress not recorded (%s)", self.job_id, e)
+
+
+class CancelCheck:
+    """`should_cancel` for the converter: reads the job row (called between layers).
+
+    `Settings.convert_layer_delay_s` sleeps here first: a documented test/demo aid that makes a
+    conversion slow enough to cancel or kill mid-flight. It is 0 in production.
+    """
+
+    def __init__(self, job_id: str, settings: Settings) -> None:
+        self.job_id = job_id
+        self.settings = settings
+
+    def __call__(self) -> bool:
+        if self.settings.convert_layer_delay_s > 0:
+            time.sleep(self.settings.convert_layer_delay_s)
+        try:
+            with session_scope(self.settings) as s:
+                return repo.cancel_requested(s, self.job_id)
+        except Exception as e:
+            log.warning("job %s: cancellation flag not readable (%s); continuing", self.job_id, e)
+            return False
+
+
+class Heartbeat:
+    """Touches the job row periodically so the reconciler can tell a live job from an orphan."""
+
+    def __init__(self, job_id: str, settings: Settings) -> None:
+        self.job_id = job_id
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.job_heartbeat_s):
+            try:
+                with session_scope(self.settings) as s:
+                    repo.heartbeat(s, self.job_id)
+            except Exception as e:
+                log.warning("job %s: heartbeat failed (%s)", self.job_id, e)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    id: str
+    source: str
+    targets: list[str]
+    method: str
+    tp: int
+    options: dict[str, object]
+    attempt: int
+
+
+def build_request(spec: JobSpec, settings: Settings) -> object:
+    from services.convert.api import ConversionRequest
+
+    opts = spec.options
+    return ConversionRequest(
+        source=spec.source,
+        targets=list(spec.targets),
+        method=spec.method,  # type: ignore[arg-type]
+        tp=spec.tp,
+        fp8_scheme=str(opts.get("fp8_scheme", "tensor")),  # type: ignore[arg-type]
+        out=settings.resolved_store_url,
+        disabled_kernels=tuple(opts.get("disabled_kernels", ()) or ())  # type: ignore[arg-type]
+        + tuple(settings.disabled_kernels),
+    )
+
+
+def discard_stale_staging(artifact_ids: list[str], settings: Settings) -> None:
+    """Remove what a killed earlier attempt staged for these artifacts (now committed, so any staging
+    left for their ids is garbage: a concurrent writer of the same id finds it committed and aborts)."""
+    from services.storage import open_store
+
+    store = open_store(settings.resolved_store_url, settings)
+    for aid in artifact_ids:
+        try:
+            discard = getattr(store, "discard_staged", None)
+            if discard is not None:
+                discard(aid)
+            elif hasattr(store, "staging_keys"):  # S3: {prefix}/.staging/{aid}-{random}/{name}
+                keys = [k for k in store.staging_keys() if k.split(".staging/", 1)[-1].startswith(f"{aid}-")]
+                store.delete_keys(keys)
+            elif hasattr(store, "staging_entries"):  # local: {root}/.staging/{aid}-{random}/
+                for entry in store.staging_entries():
+                    if entry.name.startswith(f"{aid}-"):
+                        shutil.rmtree(entry, ignore_errors=True)
+        except Exception as e:
+            log.warning("artifact %s: stale staging not removed (%s)", aid, e)
+
+
+def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | None = None) -> Outcome:
+    """Run (or skip) one attempt of a job. Raises TransientJobError when a retry should follow."""
+    settings = settings or get_settings()
+    with session_scope(settings) as s:
+        claim = repo.claim_job(s, job_id, task_id)
+        if claim.outcome != "run" or claim.job is None:
+            log.info("job %s: not run (%s)", job_id, claim.outcome)
+            return claim.outcome  # type: ignore[return-value]
+        j = claim.job
+        spec = JobSpec(j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts)
+    log.info("job %s: attempt %d: converting %s for %s", job_id, spec.attempt, spec.source, spec.targets)
+
+    try:
+        from services.convert.api import Cancelled, convert
+    except ImportError as e:  # a broken install: fail the job visibly rather than leave it running
+        _finish(job_id, "failed", f"internal error: conversion library unavailable ({e})", settings)
+        return "failed"
+
+    try:
+        with Heartbeat(job_id, settings):
+            results = convert(
+                build_request(spec, settings),  # type: ignore[arg-type]
+                progress=ProgressWriter(job_id, settings),
+                should_cancel=CancelCheck(job_id, settings),
+            )
+    except Cancelled as e:
+        _finish(job_id, "cancelled", f"cancelled: {e}", settings)
+        return "cancelled"
+    except SoftTimeLimitExceeded:
+        _finish(
+            job_id,
+            "failed",
+            f"exceeded the time limit of {settings.job_soft_time_limit_s} s; "
+            "raise KILN_JOB_SOFT_TIME_LIMIT_S (and the broker visibility timeout) for larger models",
+            settings,
+        )
+        return "failed"
+    except Exception as e:
+        if is_transient(e):
+            reason = f"transient error on attempt {spec.attempt}: {type(e).__name__}: {e}"
+            _retry_later(job_id, reason, settings)
+            raise TransientJobError(str(e)) from e
+        if isinstance(e, KilnError):
+            _finish(job_id, "failed", str(e), settings)
+        else:
+            log.exception("job %s: unexpected error", job_id)
+            _finish(job_id, "failed", f"internal error ({type(e).__name__}): {e}", settings)
+        return "failed"
+
+    ids = [r.artifact_id for r in results]
+    try:
+        with session_scope(settings) as s:
+            for r in results:
+                repo.record_artifact(s, r.manifest, r.uri, job_id)
+            repo.complete_job(s, job_id, ids)
+    except Exception as e:
+        if is_transient(e):  # the artifacts are committed: the retry reuses them
+            raise TransientJobError(str(e)) from e
+        raise
+    discard_stale_staging(ids, settings)
+    log.info("job %s: succeeded: %s", job_id, ", ".join(ids))
+    return "succeeded"
+
+
+def _finish(job_id: str, status: Literal["failed", "cancelled"], error: str, settings: Settings) -> None:
+    with session_scope(settings) as s:
+        repo.finish_job(s, job_id, status, error)
+
+
+def _retry_later(job_id: str, error: str, settings: Settings) -> None:
+    try:
+        with session_scope(settings) as s:
+            repo.retry_later(s, job_id, error)
+    except Exception as e:  # the database itself may be the transient fault
+        log.warning("job %s: could not record retry (%s)", job_id, e)
+
+
+def retry_delay(attempt: int, settings: Settings) -> float:
+    """Exponential backoff: base, 2×base, 4×base … capped at 5 minutes."""
+    return min(300.0, settings.job_retry_backoff_s * 2 ** max(0, attempt - 1))

@@ -1,0 +1,89 @@
+"""The Celery application: `celery -A services.worker.app worker` (or `kiln worker`).
+
+At-least-once delivery that survives a dead worker: `acks_late` + `task_reject_on_worker_lost`
+(a message is acknowledged only after the task returns; a killed child puts it back), prefetch 1
+(a worker holds one job at a time), a broker visibility timeout above the longest allowed job (a
+message held by a dead worker comes back after it), and soft/hard time limits below that timeout.
+The attempt counter in SQL bounds redeliveries (see services/jobs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
+
+from runtime.settings import Settings, get_settings
+from services.db.session import dispose_engines
+
+log = logging.getLogger(__name__)
+TASK_NAME = "kiln.convert"
+DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    opts: dict[str, Any] = {"visibility_timeout": settings.broker_visibility_timeout_s}
+    if settings.broker_restore_interval_s is not None:
+        opts["unacked_restore_interval"] = settings.broker_restore_interval_s
+        opts["unacked_restore_throttle"] = 1
+    return opts
+
+
+def make_celery(settings: Settings) -> Celery:
+    if settings.job_hard_time_limit_s >= settings.broker_visibility_timeout_s:
+        log.warning(
+            "KILN_BROKER_VISIBILITY_TIMEOUT_S (%d) should exceed KILN_JOB_HARD_TIME_LIMIT_S (%d), "
+            "or a long job is redelivered while it still runs",
+            settings.broker_visibility_timeout_s,
+            settings.job_hard_time_limit_s,
+        )
+    celery = Celery("kiln", broker=settings.broker_url or DEFAULT_BROKER, include=["services.worker.tasks"])
+    celery.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_default_queue=settings.celery_queue,
+        task_routes={TASK_NAME: {"queue": settings.celery_queue}},
+        broker_transport_options=transport_options(settings),
+        task_soft_time_limit=settings.job_soft_time_limit_s,
+        task_time_limit=settings.job_hard_time_limit_s,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return celery
+
+
+app = make_celery(get_settings())
+
+
+@worker_process_init.connect
+def _dispose_inherited_engine(**_: object) -> None:
+    """A forked pool process must not reuse the parent's pooled database sockets."""
+    dispose_engines(close=False)
+
+
+_reconciler_stop = threading.Event()
+
+
+@worker_ready.connect
+def _start_reconciler(**_: object) -> None:
+    settings = get_settings()
+    if settings.reconcile_interval_s <= 0:
+        return
+    from services.worker.reconcile import reconcile_forever
+
+    threading.Thread(
+        target=reconcile_forever, args=(settings, _reconciler_stop), name="kiln-reconciler", daemon=True
+    ).start()
+
+
+@worker_shutdown.connect
+def _stop_reconciler(**_: object) -> None:
+    _reconciler_stop.set()

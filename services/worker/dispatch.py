@@ -1,0 +1,55 @@
+"""How the API hands a job id to a worker: a Celery message, or the embedded in-process queue."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Protocol
+
+from runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher(Protocol):
+    def new_task_id(self) -> str | None: ...
+
+    def send(self, job_id: str, task_id: str | None) -> None: ...
+
+    def healthy(self) -> tuple[bool, str]: ...
+
+    def close(self) -> None: ...
+
+
+class CeleryDispatcher:
+    """Publishes `kiln.convert(job_id)` with a task id recorded in the job row beforehand."""
+
+    def __init__(self, settings: Settings) -> None:
+        from services.worker.app import make_celery
+
+        self.settings = settings
+        self.celery = make_celery(settings)
+
+    def new_task_id(self) -> str:
+        return uuid.uuid4().hex
+
+    def send(self, job_id: str, task_id: str | None) -> None:
+        from services.worker.app import TASK_NAME
+
+        self.celery.send_task(TASK_NAME, args=[job_id], task_id=task_id, queue=self.settings.celery_queue)
+
+    def healthy(self) -> tuple[bool, str]:
+        import redis
+
+        try:
+            client = redis.Redis.from_url(
+                self.settings.broker_url, socket_timeout=2, socket_connect_timeout=2
+            )
+            client.ping()
+            client.close()
+            return True, "ok"
+        except Exception as e:
+            return False, f"broker unreachable: {e}"
+
+    def close(self) -> None:
+        self.celery.close()

@@ -1,0 +1,89 @@
+"""The embedded worker: `kiln api` with no broker runs jobs in threads next to the API.
+
+Its queue lives in memory, so at start every job the database still calls queued or running has
+no live task and is queued again (the same rule the Celery reconciler applies).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from runtime.settings import Settings
+from services.db import repo
+from services.db.session import session_scope
+from services.jobs import TransientJobError, retry_delay, run_job
+
+log = logging.getLogger(__name__)
+_STOP = "__stop__"
+
+
+class EmbeddedWorker:
+    def __init__(self, settings: Settings, threads: int = 1) -> None:
+        self.settings = settings
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"kiln-embedded-worker-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        self._timers: list[threading.Timer] = []
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+        with session_scope(self.settings) as s:
+            pending = [j.id for j in repo.orphaned_jobs(s, stale_after_s=0)]
+        for job_id in sorted(pending):
+            self._queue.put(job_id)
+        if pending:
+            log.info("embedded worker: re-queued %d unfinished job(s)", len(pending))
+
+    # Dispatcher protocol ---------------------------------------------------------------------
+    def new_task_id(self) -> None:
+        return None
+
+    def send(self, job_id: str, task_id: str | None) -> None:
+        self._queue.put(job_id)
+
+    def healthy(self) -> tuple[bool, str]:
+        alive = sum(t.is_alive() for t in self._threads)
+        return (alive > 0, f"embedded worker: {alive} thread(s) alive, {self._queue.qsize()} queued")
+
+    def close(self) -> None:
+        self._closed.set()
+        for timer in self._timers:
+            timer.cancel()
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job_id = self._queue.get()
+            if job_id == _STOP:
+                return
+            try:
+                run_job(job_id, task_id=None, settings=self.settings)
+            except TransientJobError as e:
+                attempt = self._attempts(job_id)
+                delay = retry_delay(attempt, self.settings)
+                log.warning("job %s: transient error, retrying in %.0f s: %s", job_id, delay, e)
+                if not self._closed.is_set():
+                    timer = threading.Timer(delay, self._queue.put, args=(job_id,))
+                    timer.daemon = True
+                    self._timers.append(timer)
+                    timer.start()
+            except Exception:
+                log.exception("job %s: worker error", job_id)
+
+    def _attempts(self, job_id: str) -> int:
+        try:
+            with session_scope(self.settings) as s:
+                job = repo.get_job(s, job_id)
+                return job.attempts if job else 1
+        except Exception:
+            return 1

@@ -1,0 +1,90 @@
+"""The reconciler: SQL is the source of truth; re-enqueue jobs whose broker message is gone.
+
+A queued job whose task id is in neither the Redis queue nor the unacknowledged set (Redis
+restarted, or publishing failed after the row was written), and a running job whose heartbeat
+stopped while its message is no longer held, get a fresh task id (compare-and-set in SQL, so two
+reconcilers cannot both re-enqueue) and a new message. A superseded message that still turns up
+is refused by the job's task-id check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+
+from runtime.settings import Settings
+from services.db import repo
+from services.db.models import utcnow
+from services.db.session import session_scope
+
+log = logging.getLogger(__name__)
+UNACKED_KEY = "unacked"
+QUEUED_GRACE_S = 10.0  # a row just written may not have been published yet
+
+
+def live_task_ids(settings: Settings) -> set[str]:
+    """Task ids of messages waiting in the queue or held (unacked) by a worker, read from Redis."""
+    import redis
+
+    client = redis.Redis.from_url(settings.broker_url, socket_timeout=5)
+    ids: set[str] = set()
+    try:
+        raw: list[bytes] = []
+        for key in client.scan_iter(match=f"{settings.celery_queue}*", count=100):
+            if client.type(key) == b"list":
+                raw.extend(client.lrange(key, 0, -1))  # type: ignore[arg-type]
+        for value in client.hvals(UNACKED_KEY):  # type: ignore[union-attr]
+            try:
+                raw.append(json.dumps(json.loads(value)[0]).encode())
+            except (ValueError, IndexError, TypeError):
+                continue
+        for item in raw:
+            try:
+                task_id = json.loads(item).get("headers", {}).get("id")
+            except (ValueError, AttributeError):
+                continue
+            if task_id:
+                ids.add(task_id)
+    finally:
+        client.close()
+    return ids
+
+
+def reconcile_once(settings: Settings) -> list[str]:
+    """Re-enqueue orphaned jobs; returns their ids."""
+    from services.worker.dispatch import CeleryDispatcher
+
+    live = live_task_ids(settings)
+    grace = utcnow() - timedelta(seconds=QUEUED_GRACE_S)
+    with session_scope(settings) as s:
+        candidates = [
+            (j.id, j.task_id)
+            for j in repo.orphaned_jobs(s, stale_after_s=settings.job_stale_after_s)
+            if j.task_id not in live and repo.as_aware(j.updated_at) < grace  # type: ignore[operator]
+        ]
+    if not candidates:
+        return []
+    dispatcher = CeleryDispatcher(settings)
+    requeued: list[str] = []
+    try:
+        for job_id, old in candidates:
+            new = dispatcher.new_task_id()
+            with session_scope(settings) as s:
+                if not repo.replace_task_id(s, job_id, old, new):
+                    continue
+            dispatcher.send(job_id, new)
+            requeued.append(job_id)
+            log.warning("reconciler: job %s had no live task (was %s); re-enqueued as %s", job_id, old, new)
+    finally:
+        dispatcher.close()
+    return requeued
+
+
+def reconcile_forever(settings: Settings, stop: threading.Event) -> None:
+    while not stop.wait(settings.reconcile_interval_s):
+        try:
+            reconcile_once(settings)
+        except Exception as e:
+            log.warning("reconciler pass failed: %s", e)

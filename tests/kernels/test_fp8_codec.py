@@ -1,0 +1,179 @@
+"""FP8 quantization semantics (vLLM, formats.md §5) against straightforward fp32 re-implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.base import Fp8Weight
+from kernels.codecs import E4M3_MAX, quantize_fp8, requantize_to_max_scale, round_to_e4m3_grid
+from kernels.errors import LayoutError
+from tests.kernels.reference_layouts import (
+    ref_fp8_per_block,
+    ref_fp8_per_channel,
+    ref_fp8_per_tensor,
+    ref_requantize,
+)
+
+FAST = settings(max_examples=25, deadline=None)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _weight(seed: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-8, 2, (n, 1), generator=gen).float())
+    return w.to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@FAST
+@given(
+    shards=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    k=st.integers(1, 40),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_per_tensor_matches_reference(shards: list[int], k: int, dtype: torch.dtype, seed: int) -> None:
+    w = _weight(seed, sum(shards), k, dtype)
+    f = quantize_fp8(w, "tensor", shard_sizes=tuple(shards))
+    q_ref, s_ref = ref_fp8_per_tensor(w, shards)
+    assert f.scale.dtype == torch.float32 and f.scale.tolist() == s_ref
+    assert torch.equal(_bytes(f.weight), _bytes(q_ref))
+    assert f.weight.dtype == torch.float8_e4m3fn and f.shard_sizes == tuple(shards)
+
+
+def test_per_tensor_scale_is_amax_over_448_without_clamp() -> None:
+    w = torch.tensor([[1e-30, -2e-30], [0.0, 1.5e-30]])
+    f = quantize_fp8(w, "tensor")
+    assert f.scale.item() == (torch.tensor(2e-30) / torch.tensor(448.0)).item()
+    zero = quantize_fp8(torch.zeros(4, 8, dtype=torch.bfloat16), "tensor", shard_sizes=(2, 2))
+    assert zero.scale.tolist() == [0.0, 0.0]
+    assert (_bytes(zero.weight) == 0).all() and not zero.dequantize().isnan().any()
+
+
+@FAST
+@given(
+    n=st.integers(1, 24), k=st.integers(1, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1)
+)
+def test_per_channel_matches_reference(n: int, k: int, dtype: torch.dtype, seed: int) -> None:
+    w = _weight(seed, n, k, dtype)
+    w[0] = 0  # a zero row: scale 0, codes 0 (documented)
+    f = quantize_fp8(w, "channel")
+    q_ref, s_ref = ref_fp8_per_channel(w)
+    assert f.scale.shape == (n,) and f.scale.tolist() == s_ref
+    assert torch.equal(_bytes(f.weight), _bytes(q_ref))
+    assert f.scale[0].item() == 0.0 and (_bytes(f.weight[0]) == 0).all()
+    assert torch.equal(f.dequantize()[0], torch.zeros(k))
+
+
+def test_reciprocal_multiply_not_division() -> None:
+    # values that sit on e4m3 rounding midpoints after scaling: x * fp32(1/s) and x / s round apart.
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = ((grid[1:] + grid[:-1]) / 2)[8:]
+    amax = torch.linspace(0.5, 3.0, 32)
+    rows = torch.cat([amax[:, None], (mids[None, :] * (amax[:, None] / E4M3_MAX))], dim=1)
+    f = quantize_fp8(rows, "channel")
+    s = (amax / E4M3_MAX)[:, None]
+    reciprocal = (rows * (1.0 / s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    division = (rows / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(_bytes(f.weight), _bytes(reciprocal))
+    assert (_bytes(reciprocal) != _bytes(division)).any()  # the test can tell the two apart
+
+
+@FAST
+@given(
+    n=st.integers(1, 300),
+    k=st.integers(1, 300),
+    block=st.sampled_from([(128, 128), (64, 32), (16, 16)]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_per_block_matches_reference(
+    n: int, k: int, block: tuple[int, int], dtype: torch.dtype, seed: int
+) -> None:
+    w = _weight(seed, n, k, dtype)
+    f = quantize_fp8(w, "block", block_size=block)
+    bn, bk = block
+    assert f.scale.shape == (-(-n // bn), -(-k // bk)) and f.block_size == block
+    q_ref, s_ref = ref_fp8_per_block(w, bn, bk)
+    assert torch.equal(f.scale, s_ref)
+    assert torch.equal(_bytes(f.weight), _bytes(q_ref))
+
+
+def test_per_block_amax_floor() -> None:
+    f = quantize_fp8(torch.zeros(130, 10), "block")
+    assert f.scale.shape == (2, 1)
+    assert torch.equal(f.scale, torch.full((2, 1), 1e-4) / 448.0)
+
+
+@FAST
+@given(
+    shards=st.lists(st.integers(1, 16), min_size=1, max_size=3),
+    k=st.integers(1, 32),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_requantize_to_max_scale_matches_reference(shards: list[int], k: int, seed: int) -> None:
+    w = _weight(seed, sum(shards), k, torch.bfloat16)
+    f = quantize_fp8(w, "tensor", shard_sizes=tuple(shards))
+    r = requantize_to_max_scale(f)
+    q_ref, max_ref = ref_requantize(f.weight, f.scale.tolist(), shards)
+    assert r.scale.shape == (1,) and r.scale.item() == max_ref and r.shard_sizes == ()
+    assert torch.equal(_bytes(r.weight), _bytes(q_ref))
+
+
+def test_requantize_refuses_other_strategies() -> None:
+    f = quantize_fp8(torch.randn(8, 8), "channel")
+    with pytest.raises(LayoutError, match="per-tensor"):
+        requantize_to_max_scale(f)
+    bad = Fp8Weight(f.weight, torch.ones(2), "tensor", shard_sizes=(8,))
+    with pytest.raises(LayoutError, match="2 per-tensor scales for 1 shards"):
+        requantize_to_max_scale(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# round_to_e4m3_grid
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_cast(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    assert torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))  # signed zeros too
+
+
+def test_round_to_e4m3_grid_exact_on_edge_values() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[~codes.isnan()]
+    pos = torch.sort(finite[finite >= 0]).values
+    mids = (pos[1:] + pos[:-1]) / 2  # exact ties (all representable in fp32)
+    up = torch.nextafter(mids, torch.tensor(float("inf")))
+    down = torch.nextafter(mids, torch.tensor(0.0))
+    sub = torch.arange(-64, 65, dtype=torch.float32) * 2.0**-10  # subnormal ties and grid
+    big = torch.tensor([447.9, 448.0, 449.0, 463.99, 464.0, 480.0, 1e6, 3e38, float("inf")])
+    special = torch.tensor([float("nan"), 0.0, -0.0, 2.0**-6, 2.0**-7, 2.0**-9, 2.0**-10, 2.0**-11, 1e-30])
+    x = torch.cat([finite, mids, up, down, sub, big, special])
+    x = torch.cat([x, -x])
+    _assert_same_bits(round_to_e4m3_grid(x), _torch_cast(x))
+    assert torch.equal(round_to_e4m3_grid(finite), finite)  # the grid is a fixed point
+
+
+def test_round_to_e4m3_grid_exact_on_random_values() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=gen) * torch.exp2(
+        torch.randint(-16, 11, (200_000,), generator=gen).float()
+    )
+    _assert_same_bits(round_to_e4m3_grid(x), _torch_cast(x))
+
+
+def test_round_to_e4m3_grid_needs_float32() -> None:
+    with pytest.raises(LayoutError, match="float32"):
+        round_to_e4m3_grid(torch.zeros(3, dtype=torch.float16))

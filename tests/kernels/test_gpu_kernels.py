@@ -1,0 +1,463 @@
+"""The four GPU kernels (marlin_wna16, gptq_wna16, fp8_w8a8, fp8_marlin) on CPU through the Triton
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1): layouts exact, apply against its torch
+twin, and can_implement refusals. Shapes are small; the CUDA repeats live in test_gpu_kernels_cuda.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import triton_utils
+from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec
+from kernels.codecs.fp8 import quantize_fp8
+
+# apply vs its reference twin (relative Frobenius error). The twin dequantizes to fp32 and multiplies
+# in fp32; the kernel rounds the dequantized weight to the act dtype before the tensor-core dot (on
+# GPU) and rounds the output to the act dtype: bf16 keeps 8 significant bits (half-ulp 2^-9 rms-ish),
+# fp16 keeps 11.
+GEMM_REL_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+# fp8_w8a8 against unquantized fp32 activations: per-token e4m3 activation rounding (3 mantissa bits,
+# relative error <= 2^-4 per element, averaging down over K).
+FP8_ACT_QUANT_REL_TOL = 6e-2
+# FP8 scales cast to the act dtype (fp8_marlin): per-element relative error <= half an ulp.
+FP8_SCALE_CAST_REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+DTYPES = (torch.bfloat16, torch.float16)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    e = expected.float()
+    return ((actual.float() - e).norm() / e.norm().clamp_min(1e-12)).item()
+
+
+@dataclass(frozen=True)
+class IntCase:
+    n: int
+    k: int
+    bits: int
+    group_size: int
+    symmetric: bool = True
+    act_order: bool = False
+
+    def spec(self, dtype: torch.dtype, *, k_full: int = 0, row_parallel: bool = False) -> LinearSpec:
+        return LinearSpec(
+            name="model.layers.0.mlp.down_proj",
+            scheme="int",
+            n=self.n,
+            k=self.k,
+            k_full=k_full,
+            bits=self.bits,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            act_order=self.act_order,
+            row_parallel=row_parallel,
+            has_bias=True,
+            act_dtype=DTYPE_NAMES[dtype],
+        )
+
+    def weight(self, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> IntWeight:
+        gen = torch.Generator().manual_seed(seed)
+        n, k, bits = self.n, self.k, self.bits
+        groups = 1 if self.group_size == -1 else k // self.group_size
+        codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+        # scales sized so that the dequantized weight has unit-ish rms
+        scales = (torch.rand(groups, n, generator=gen) + 0.5) * (2.0 / (1 << bits))
+        zeros = (
+            None
+            if self.symmetric
+            else torch.randint(0, 1 << bits, (groups, n), generator=gen, dtype=torch.uint8)
+        )
+        g_idx = None
+        if self.act_order:
+            g_idx = (torch.randperm(k, generator=gen) // self.group_size).to(torch.int32)
+        bias = torch.randn(n, generator=gen)
+        return IntWeight(
+            codes=codes,
+            scales=scales.to(dtype),
+            bits=bits,
+            group_size=self.group_size,
+            zeros=zeros,
+            g_idx=g_idx,
+            bias=bias.to(dtype),
+        )
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    n: int
+    k: int
+    strategy: str
+    shard_sizes: tuple[int, ...] = ()
+    block_size: tuple[int, int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self, dtype: torch.dtype) -> LinearSpec:
+        return LinearSpec(
+            name="model.layers.0.self_attn.qkv_proj",
+            scheme="fp8",
+            n=self.n,
+            k=self.k,
+            bits=8,
+            fp8_strategy=self.strategy,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            has_bias=True,
+            act_dtype=DTYPE_NAMES[dtype],
+            shards=tuple(ShardSpec(f"shard{i}", s) for i, s in enumerate(self.shard_sizes)),
+        )
+
+    def dense(self, seed: int = 0) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(self.n, self.k, generator=gen) * 0.05
+        if self.shard_sizes:  # shards with different ranges, so their per-tensor scales differ
+            w = torch.cat([p * (i + 1) for i, p in enumerate(torch.split(w, list(self.shard_sizes)))])
+        w[0, :8] = 1e-5  # a few values that land on e4m3 subnormals
+        return w
+
+    def weight(self, dtype: torch.dtype, seed: int = 0) -> Fp8Weight:
+        fw = quantize_fp8(
+            self.dense(seed),
+            self.strategy,  # type: ignore[arg-type]
+            block_size=self.block_size or (128, 128),
+            shard_sizes=self.shard_sizes,
+        )
+        fw.bias = torch.randn(self.n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+        return fw
+
+
+# --------------------------------------------------------------------------------------------
+# Cases. Each GEMM case runs both dtypes; the M values alternate so that every kernel sees
+# M in {1, 7, 16, 33} with both bf16 and fp16 across its shapes without a full cross product.
+# --------------------------------------------------------------------------------------------
+
+M_BY_PARITY = ((1, 16), (7, 33))
+
+GPTQ_CASES = [
+    IntCase(128, 256, 4, 64),
+    IntCase(96, 384, 4, 32, symmetric=False),  # N not a multiple of 64 (Marlin refuses it)
+    IntCase(192, 384, 8, -1),
+    IntCase(128, 256, 2, 128, symmetric=False, act_order=True),
+    IntCase(64, 320, 4, 40, symmetric=False),  # group not a multiple of 16: per-row scale gather
+    IntCase(64, 256, 8, 64, symmetric=False, act_order=True),
+]
+MARLIN_CASES = [
+    IntCase(128, 256, 4, 64),
+    IntCase(192, 384, 4, 128, symmetric=False, act_order=True),
+    IntCase(128, 256, 8, -1),
+    IntCase(192, 384, 8, 32, act_order=True),
+    IntCase(64, 128, 4, 128, symmetric=False),  # group == K: the single scale permutation
+]
+FP8_W8A8_CASES = [
+    Fp8Case(128, 256, "tensor", shard_sizes=(64, 32, 32)),
+    Fp8Case(192, 384, "channel"),
+    Fp8Case(96, 272, "tensor"),
+]
+FP8_MARLIN_CASES = [
+    Fp8Case(128, 256, "tensor", shard_sizes=(64, 32, 32)),
+    Fp8Case(192, 384, "channel"),
+    Fp8Case(192, 384, "block", block_size=(128, 128)),
+    Fp8Case(128, 256, "block", block_size=(64, 64)),
+]
+
+
+def kernel(name: str) -> Any:
+    from kernels.registry import get_kernel
+
+    return get_kernel(name)
+
+
+def gemm_params() -> list[Any]:
+    params = []
+    for name, cases in (
+        ("gptq_wna16", GPTQ_CASES),
+        ("marlin_wna16", MARLIN_CASES),
+        ("fp8_w8a8", FP8_W8A8_CASES),
+        ("fp8_marlin", FP8_MARLIN_CASES),
+    ):
+        for i, case in enumerate(cases):
+            for j, dtype in enumerate(DTYPES):
+                ms = M_BY_PARITY[(i + j) % 2]
+                params.append(pytest.param(name, case, dtype, ms, id=f"{name}-{case}-{DTYPE_NAMES[dtype]}"))
+    return params
+
+
+def prepared(name: str, case: IntCase | Fp8Case, dtype: torch.dtype) -> tuple[Any, dict, LinearSpec, Any]:
+    k = kernel(name)
+    spec = case.spec(dtype)
+    w = case.weight(dtype)
+    return k, k.prepare(w, spec), spec, w
+
+
+# --------------------------------------------------------------------------------------------
+# apply vs reference twin
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "case", "dtype", "ms"), gemm_params())
+def test_apply_matches_reference(name: str, case: Any, dtype: torch.dtype, ms: tuple[int, ...]) -> None:
+    k, tensors, spec, _ = prepared(name, case, dtype)
+    gen = torch.Generator().manual_seed(7)
+    for m in ms:
+        x = torch.randn(m, spec.k, generator=gen).to(dtype)
+        y = k.apply(x, tensors, spec)
+        assert y.shape == (m, spec.n) and y.dtype == dtype
+        err = rel_err(y, k.reference(x, tensors, spec))
+        assert err < GEMM_REL_TOL[dtype], f"M={m}: relative error {err:.2e}"
+
+
+def test_fp8_w8a8_close_to_unquantized_activations() -> None:
+    case = FP8_W8A8_CASES[1]
+    k, tensors, spec, w = prepared("fp8_w8a8", case, torch.bfloat16)
+    x = torch.randn(16, spec.k).to(torch.bfloat16)
+    expected = x.float() @ w.dequantize().T + w.bias.float()
+    assert rel_err(k.apply(x, tensors, spec), expected) < FP8_ACT_QUANT_REL_TOL
+
+
+def test_fp8_per_token_quant_bytes_match_torch() -> None:
+    from kernels.fp8_w8a8 import quantize_per_token, quantize_per_token_reference
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 1.0, 0.0])[:, None]
+    x[4, :50] = 1e-7  # next to the row max these land on e4m3 subnormals / zero
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        q, s = quantize_per_token(xd)
+        q_ref, s_ref = quantize_per_token_reference(xd)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_split_k_and_batched_input() -> None:
+    from kernels.fp8_marlin import fp8_marlin_gemm
+    from kernels.fp8_w8a8 import fp8_w8a8_gemm
+    from kernels.gptq_wna16 import gptq_wna16_gemm
+    from kernels.marlin_wna16 import marlin_wna16_gemm
+
+    cfg = triton_utils.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
+    dtype = torch.float16
+    for name, case, fn in (
+        ("gptq_wna16", GPTQ_CASES[1], gptq_wna16_gemm),
+        ("marlin_wna16", MARLIN_CASES[1], marlin_wna16_gemm),
+        ("fp8_w8a8", FP8_W8A8_CASES[0], fp8_w8a8_gemm),
+        ("fp8_marlin", FP8_MARLIN_CASES[2], fp8_marlin_gemm),
+    ):
+        k, tensors, spec, _ = prepared(name, case, dtype)
+        x = torch.randn(2, 3, spec.k).to(dtype)
+        y = fn(x, tensors, spec, cfg)
+        assert y.shape == (2, 3, spec.n)
+        assert rel_err(y, k.reference(x, tensors, spec)) < GEMM_REL_TOL[dtype], name
+
+
+def test_apply_falls_back_to_reference_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    k, tensors, spec, _ = prepared("gptq_wna16", GPTQ_CASES[0], torch.bfloat16)
+    x = torch.randn(3, spec.k).to(torch.bfloat16)
+    assert not triton_utils.runs_triton(x)
+    assert torch.equal(k.apply(x, tensors, spec), k.reference(x, tensors, spec))
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts: exact for integer formats, bounded for FP8
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int_layouts_round_trip_exactly(dtype: torch.dtype) -> None:
+    for name, cases in (("gptq_wna16", GPTQ_CASES), ("marlin_wna16", MARLIN_CASES)):
+        for case in cases:
+            k, tensors, spec, w = prepared(name, case, dtype)
+            assert torch.equal(k.dequantize(tensors, spec), w.dequantize()), (name, case)
+
+
+def test_gptq_stored_tensors() -> None:
+    from kernels.codecs.bitpack import pack_cols, pack_rows
+
+    case = GPTQ_CASES[3]  # 2-bit asymmetric act-order
+    _, tensors, _, w = prepared("gptq_wna16", case, torch.float16)
+    assert tensors["qweight"].shape == (case.k * case.bits // 32, case.n)
+    assert torch.equal(tensors["qweight"], pack_rows(w.codes.T, case.bits))
+    assert torch.equal(tensors["qzeros"], pack_cols(w.zeros, case.bits))
+    assert torch.equal(tensors["g_idx"], w.g_idx)
+    assert tensors["scales"].dtype == torch.float16
+
+
+def test_marlin_stored_tensors_are_vllm_layout() -> None:
+    from kernels.codecs.bitpack import pack_rows
+    from kernels.marlin_layout import marlin_permute_scales, marlin_repack, marlin_zero_points, sort_g_idx
+
+    case = MARLIN_CASES[1]  # 4-bit asymmetric act-order
+    _, tensors, _, w = prepared("marlin_wna16", case, torch.bfloat16)
+    g_sorted, perm = sort_g_idx(w.g_idx)
+    assert torch.equal(tensors["perm"], perm) and torch.equal(tensors["g_idx"], g_sorted)
+    assert torch.equal(tensors["qweight"], marlin_repack(pack_rows(w.codes.T, 4), 4, perm))
+    assert tensors["qweight"].shape == (case.k // 16, case.n * 2)
+    assert torch.equal(tensors["scales"], marlin_permute_scales(w.scales, case.k, case.n, case.group_size))
+    assert torch.equal(tensors["zeros"], marlin_zero_points(w.zeros, 4))
+    assert tensors["zeros"].shape == (case.k // case.group_size, case.n // 8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_marlin_closed_form_matches_repack(bits: int) -> None:
+    """The index arithmetic the Triton kernel uses, evaluated in torch, against marlin_repack."""
+    from kernels.codecs.bitpack import pack_rows
+    from kernels.marlin_layout import marlin_permute_scales, marlin_repack
+
+    kk, nn = 64, 192
+    codes = torch.randint(0, 1 << bits, (kk, nn), dtype=torch.uint8)
+    packed = marlin_repack(pack_rows(codes, bits), bits).view(-1)
+    k = torch.arange(kk)[:, None]
+    n = torch.arange(nn)[None, :]
+    if bits == 4:
+        col = 128 * (n // 64) + 16 * (n % 8) + (n % 64) // 16 + 4 * ((k % 8) // 2)
+        shift = 8 * ((n % 16) // 8) + 4 * ((k % 16) // 8 + 4 * (k % 2))
+    else:
+        col = 256 * (n // 64) + 32 * (n % 8) + 2 * ((n % 64) // 16) + (n % 16) // 8 + 8 * ((k % 8) // 2)
+        shift = 8 * ((k % 16) // 8 + 2 * (k % 2)) + 0 * n
+    words = packed[(k // 16) * (nn * bits // 2) + col].long()
+    assert torch.equal(((words >> shift) & ((1 << bits) - 1)).to(torch.uint8), codes)
+
+    s = torch.arange(2 * nn, dtype=torch.float32).reshape(2, nn)
+    n1 = torch.arange(nn)
+    grouped = marlin_permute_scales(s, 128, nn, 64)
+    assert torch.equal(grouped[:, 64 * (n1 // 64) + 8 * (n1 % 8) + (n1 % 64) // 8], s)
+    single = marlin_permute_scales(s[:1], 128, nn, -1)
+    pos = 32 * (n1 // 32) + 8 * ((n1 % 8) // 2) + 2 * ((n1 % 32) // 8) + n1 % 2
+    assert torch.equal(single[:, pos], s[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_w8a8_layout(dtype: torch.dtype) -> None:
+    k = kernel("fp8_w8a8")
+    channel, fused = FP8_W8A8_CASES[1], FP8_W8A8_CASES[0]
+    w = channel.weight(dtype)
+    tensors = k.prepare(w, channel.spec(dtype))
+    assert tensors["weight"].dtype == torch.float8_e4m3fn and tensors["weight_scale"].shape == (channel.n,)
+    assert torch.equal(k.dequantize(tensors, channel.spec(dtype)), w.dequantize())
+    # Fused per-tensor shards are requantized to the max scale: each element moves by at most half
+    # an e4m3 step at the new scale (relative 2^-4 for normals, 2^-10 * scale for subnormals) plus
+    # the fp16 round trip vLLM's requantize goes through (2^-11 relative).
+    w = fused.weight(dtype)
+    tensors = k.prepare(w, fused.spec(dtype))
+    assert tensors["weight_scale"].shape == (1,)
+    max_s = w.scale.max()
+    assert torch.equal(tensors["weight_scale"], max_s.reshape(1))
+    got, want = k.dequantize(tensors, fused.spec(dtype)), w.dequantize()
+    bound = (2.0**-4 + 2.0**-10) * want.abs() + 2.0**-10 * max_s
+    assert bool(((got - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_marlin_layout(dtype: torch.dtype) -> None:
+    from kernels.codecs.bitpack import pack_rows
+    from kernels.fp8_marlin import EXPONENT_BIAS
+    from kernels.marlin_layout import marlin_permute_scales, marlin_repack
+
+    k = kernel("fp8_marlin")
+    for case in FP8_MARLIN_CASES:
+        spec = case.spec(dtype)
+        w = case.weight(dtype)
+        tensors = k.prepare(w, spec)
+        raw = w.weight.view(torch.uint8)
+        assert torch.equal(tensors["qweight"], marlin_repack(pack_rows(raw.T, 8), 8))
+        assert tensors["qweight"].shape == (case.k // 16, 4 * case.n)
+        assert tensors["scales"].dtype == dtype
+        got, want = k.dequantize(tensors, spec), w.dequantize()
+        assert bool(((got - want).abs() <= FP8_SCALE_CAST_REL[dtype] * want.abs()).all()), case
+    # the exponent bias is folded in: channel scales are (1, N), permuted, times 2^8 / 2^120
+    case = FP8_MARLIN_CASES[1]
+    w = case.weight(dtype)
+    tensors = k.prepare(w, case.spec(dtype))
+    s = w.scale.to(dtype).reshape(1, -1)
+    expected = marlin_permute_scales(s, case.k, case.n, -1) * torch.full_like(s, 2.0) ** EXPONENT_BIAS[dtype]
+    assert torch.equal(tensors["scales"], expected)
+
+
+# --------------------------------------------------------------------------------------------
+# can_implement
+# --------------------------------------------------------------------------------------------
+
+
+def test_marlin_refusals() -> None:
+    from kernels.base import Target
+
+    k = kernel("marlin_wna16")
+    bf16 = torch.bfloat16
+    assert k.can_implement(IntCase(128, 256, 4, 64).spec(bf16), Target.SM80) == (True, "")
+    refusals = [
+        (IntCase(96, 256, 4, 64).spec(bf16), Target.SM90, "N=96"),
+        (IntCase(128, 192, 4, 64).spec(bf16), Target.SM90, "K=192"),
+        (IntCase(128, 256, 4, 64).spec(bf16), Target.SM75, "gptq_wna16"),
+        (IntCase(128, 256, 2, 64).spec(bf16), Target.SM80, "4- and 8-bit"),
+        (IntCase(128, 256, 8, 64, symmetric=False).spec(bf16), Target.SM80, "zero points only for 4-bit"),
+        (IntCase(128, 256, 4, 256).spec(bf16), Target.SM80, "group_size=256"),
+        (IntCase(128, 256, 4, 64).spec(bf16), Target.CPU, "cpu"),
+    ]
+    # row-parallel: K per rank 384 with group 256 of a K_full 768 would straddle ranks
+    refusals.append((IntCase(128, 384, 4, 128).spec(bf16, k_full=768), Target.SM80, None))
+    for spec, target, needle in refusals:
+        ok, reason = k.can_implement(spec, target)
+        if needle is None:
+            assert ok, reason
+            continue
+        assert not ok and needle in reason, (spec, target, reason)
+    fp32 = IntCase(128, 256, 4, 64).spec(torch.bfloat16)
+    fp32 = LinearSpec.from_json({**fp32.to_json(), "act_dtype": "float32"})
+    ok, reason = k.can_implement(fp32, Target.SM90)
+    assert not ok and "float32" in reason
+
+
+def test_gptq_refusals() -> None:
+    from kernels.base import Target
+
+    k = kernel("gptq_wna16")
+    assert k.can_implement(IntCase(96, 384, 4, 32, symmetric=False).spec(torch.float16), Target.SM75)[0]
+    cases = [
+        (IntCase(128, 256, 3, 64).spec(torch.float16), Target.SM80, "3-bit"),
+        (IntCase(128, 256, 4, 64).spec(torch.bfloat16), Target.SM75, "float16"),
+        (IntCase(128, 256, 4, 64).spec(torch.float16), Target.CPU, "cpu"),
+        (IntCase(128, 260, 4, 64).spec(torch.float16), Target.SM80, "K per rank = 260"),
+        (IntCase(100, 256, 4, 64, symmetric=False).spec(torch.float16), Target.SM80, "N per rank = 100"),
+    ]
+    for spec, target, needle in cases:
+        ok, reason = k.can_implement(spec, target)
+        assert not ok and needle in reason, reason
+
+
+def test_fp8_refusals() -> None:
+    from kernels.base import Target
+
+    w8a8, marlin = kernel("fp8_w8a8"), kernel("fp8_marlin")
+    tensor = FP8_W8A8_CASES[0].spec(torch.bfloat16)
+    block = FP8_MARLIN_CASES[2].spec(torch.bfloat16)
+    assert w8a8.can_implement(tensor, Target.SM89) == (True, "")
+    ok, reason = w8a8.can_implement(tensor, Target.SM80)
+    assert not ok and "fp8_marlin" in reason
+    ok, reason = w8a8.can_implement(block, Target.SM90)
+    assert not ok and "block" in reason
+    assert marlin.can_implement(block, Target.SM90) == (True, "")
+    ok, reason = marlin.can_implement(tensor, Target.SM75)
+    assert not ok and "sm75" in reason
+    ok, reason = marlin.can_implement(Fp8Case(96, 256, "channel").spec(torch.float16), Target.SM86)
+    assert not ok and "N=96" in reason
+    ok, reason = marlin.can_implement(IntCase(128, 256, 4, 64).spec(torch.float16), Target.SM86)
+    assert not ok and "scheme" in reason
+
+
+def test_registry_picks_these_kernels() -> None:
+    from kernels.base import Target
+    from kernels.registry import choose_kernel
+
+    int4 = IntCase(128, 256, 4, 64).spec(torch.float16)
+    assert choose_kernel(int4, Target.SM90).kernel.name == "marlin_wna16"
+    assert choose_kernel(int4, Target.SM75).kernel.name == "gptq_wna16"
+    odd = IntCase(96, 256, 4, 64).spec(torch.float16)
+    choice = choose_kernel(odd, Target.SM86)
+    assert choice.kernel.name == "gptq_wna16"
+    assert any(name == "marlin_wna16" and "N=96" in why for name, why in choice.rejected)
+    fp8 = FP8_W8A8_CASES[1].spec(torch.bfloat16)
+    assert choose_kernel(fp8, Target.SM90).kernel.name == "fp8_w8a8"
+    assert choose_kernel(fp8, Target.SM80).kernel.name == "fp8_marlin"

@@ -1,0 +1,212 @@
+"""Kernel registry: priority per target, first fit with recorded rejections, disabling, plugins."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import registry
+from kernels.base import IntWeight, LinearSpec, Target
+from kernels.dense import GPU_QUANTIZED_REASON
+from kernels.errors import KilnError, NoKernelError
+from runtime.settings import Settings
+
+PLUGIN_SRC = Path(__file__).resolve().parent / "plugin_pkg"
+PLUGIN_KERNEL = "demo_fp32_int"
+# The plugin stores the dequantized weight and runs an fp32 GEMM: fp32 rounding only.
+PLUGIN_GEMM_REL_ERR = 1e-5
+
+
+def spec(scheme: str = "int", *, n: int = 576, k: int = 1536, bits: int = 4, group_size: int = 64, **kw: object) -> LinearSpec:
+    return LinearSpec(
+        name="model.layers.0.mlp.down_proj", scheme=scheme, n=n, k=k, bits=bits, group_size=group_size, **kw
+    )  # type: ignore[arg-type]
+
+
+INT4 = spec()
+INT8_GROUPED = spec(bits=8)
+INT8_CHANNEL = spec(bits=8, group_size=-1)
+FP8 = spec("fp8", bits=8, group_size=-1, fp8_strategy="channel")
+DENSE = spec("dense", bits=16, group_size=-1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry() -> Iterator[None]:
+    """The registry caches kernels and entry points; every test starts and ends uncached."""
+    registry.external_kernels.cache_clear()
+    registry.builtin_kernel.cache_clear()
+    yield
+    registry.external_kernels.cache_clear()
+    registry.builtin_kernel.cache_clear()
+
+
+def test_every_target_has_a_priority_list_of_known_kernels_ending_in_dense() -> None:
+    assert set(registry.PRIORITY) == set(Target)
+    for target, names in registry.PRIORITY.items():
+        assert set(names) <= set(registry.BUILTIN_KERNELS), target
+        assert names[-1] == "dense", target
+        assert len(set(names)) == len(names), target
+    assert registry.PRIORITY[Target.CPU] == ("cpu_int4", "cpu_int8", "cpu_fp8", "dense")
+    assert registry.PRIORITY[Target.SM90][0] == "fp8_w8a8"  # fp8 tensor cores first where they exist
+    assert "fp8_w8a8" not in registry.PRIORITY[Target.SM80]
+    assert "marlin_wna16" not in registry.PRIORITY[Target.SM75]
+
+
+def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -> None:
+    assert registry.external_kernels() == ()  # no plugin installed in the test environment
+    for target in Target:
+        assert [k.name for k in registry.candidates(target)] == list(registry.PRIORITY[target])
+
+
+@pytest.mark.parametrize(
+    "layer,chosen,rejected",
+    [
+        (INT4, "cpu_int4", []),
+        (INT8_CHANNEL, "cpu_int8", ["cpu_int4"]),
+        (FP8, "cpu_fp8", ["cpu_int4", "cpu_int8"]),
+        (DENSE, "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
+        (INT8_GROUPED, "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
+        (spec(n=40), "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),  # N % 16: int4 pack refuses
+        (spec(bits=3), "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
+    ],
+)
+def test_cpu_choose_first_fit_and_record_rejections(layer: LinearSpec, chosen: str, rejected: list[str]) -> None:
+    choice = registry.choose_kernel(layer, "cpu")
+    assert choice.kernel.name == chosen
+    assert [name for name, _ in choice.rejected] == rejected
+    assert all(reason for _, reason in choice.rejected)
+
+
+def test_int8_grouped_rejection_reasons_say_why() -> None:
+    reasons = dict(registry.choose_kernel(INT8_GROUPED, Target.CPU).rejected)
+    assert "4-bit" in reasons["cpu_int4"]
+    assert "channelwise" in reasons["cpu_int8"]
+    assert "fp8" in reasons["cpu_fp8"]
+
+
+def test_gpu_dense_layer_falls_through_to_dense() -> None:
+    choice = registry.choose_kernel(DENSE, Target.SM80)
+    assert choice.kernel.name == "dense"
+    assert [name for name, _ in choice.rejected] == list(registry.PRIORITY[Target.SM80][:-1])
+
+
+def test_no_kernel_error_lists_every_reason() -> None:
+    layer = spec(bits=3)  # no GPU kernel on sm75 takes 3-bit; dense refuses quantized layers on GPU
+    with pytest.raises(NoKernelError) as info:
+        registry.choose_kernel(layer, Target.SM75)
+    err = info.value
+    assert err.layer == layer.name and err.target == "sm75"
+    assert [name for name, _ in err.rejections] == list(registry.PRIORITY[Target.SM75])
+    assert dict(err.rejections)["dense"] == GPU_QUANTIZED_REASON
+    for name, reason in err.rejections:
+        assert f"{name}: {reason}" in str(err)
+
+
+def test_disabled_kernels_from_settings_are_skipped_with_a_reason() -> None:
+    settings = Settings(disabled_kernels=["cpu_int4"])
+    choice = registry.choose_kernel(INT4, Target.CPU, settings.disabled_kernels)
+    assert choice.kernel.name == "dense"
+    reasons = dict(choice.rejected)
+    assert reasons["cpu_int4"] == "disabled by KILN_DISABLED_KERNELS"
+    assert list(reasons) == ["cpu_int4", "cpu_int8", "cpu_fp8"]
+
+
+def test_disabled_kernels_env_var_is_csv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_DISABLED_KERNELS", " cpu_int4 ,dense,")
+    settings = Settings()
+    assert settings.disabled_kernels == ["cpu_int4", "dense"]
+    with pytest.raises(NoKernelError) as info:
+        registry.choose_kernel(INT4, Target.CPU, settings.disabled_kernels)
+    reasons = dict(info.value.rejections)
+    assert reasons["cpu_int4"] == reasons["dense"] == "disabled by KILN_DISABLED_KERNELS"
+    assert len(reasons) == len(registry.PRIORITY[Target.CPU])
+
+
+def test_get_kernel_unknown_name_lists_known_kernels() -> None:
+    assert registry.get_kernel("cpu_int4").name == "cpu_int4"
+    with pytest.raises(KilnError, match="unknown kernel 'nope'.*cpu_int4.*dense"):
+        registry.get_kernel("nope")
+
+
+# ----------------------------------------------------------------------------------------------
+# Third-party kernels through the kiln.kernels entry point
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/kernels/plugin_pkg installed with pip into a private directory (like a site-packages)."""
+    root = tmp_path_factory.mktemp("plugin")
+    src = root / "src"
+    shutil.copytree(PLUGIN_SRC, src)  # pip builds in place; keep the repo tree clean
+    site = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--target", str(site), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    assert (site / "kiln_plugin_demo-0.1.0.dist-info" / "entry_points.txt").is_file()
+    return site
+
+
+@pytest.fixture
+def plugin_on_path(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.syspath_prepend(str(plugin_site))
+    importlib.invalidate_caches()
+    registry.external_kernels.cache_clear()
+    yield plugin_site
+    for mod in [m for m in sys.modules if m.startswith("kiln_plugin_demo")]:
+        monkeypatch.delitem(sys.modules, mod)
+
+
+def test_plugin_kernel_is_tried_ahead_of_builtins_and_applied(plugin_on_path: Path) -> None:
+    assert [k.name for k in registry.external_kernels()] == [PLUGIN_KERNEL]
+    assert [k.name for k in registry.candidates(Target.CPU)][0] == PLUGIN_KERNEL
+    choice = registry.choose_kernel(INT4, Target.CPU)
+    assert choice.kernel.name == PLUGIN_KERNEL and choice.rejected == []
+    # elsewhere its own can_implement decides: fp8 on cpu goes to the built-in, with its reason recorded
+    fp8_choice = registry.choose_kernel(FP8, Target.CPU)
+    assert fp8_choice.kernel.name == "cpu_fp8"
+    assert fp8_choice.rejected[0] == (PLUGIN_KERNEL, "demo_fp32_int takes int layers on cpu only")
+    # disabling it by name works like for built-ins
+    assert registry.choose_kernel(INT4, Target.CPU, [PLUGIN_KERNEL]).kernel.name == "cpu_int4"
+
+    kernel = registry.get_kernel(PLUGIN_KERNEL)
+    assert kernel is choice.kernel
+    gen = torch.Generator().manual_seed(0)
+    w = IntWeight(
+        codes=torch.randint(0, 16, (576, 1536), generator=gen).to(torch.uint8),
+        scales=torch.rand(24, 576, generator=gen) * 0.01,
+        bits=4,
+        group_size=64,
+    )
+    tensors = kernel.prepare(w, INT4)
+    x = torch.randn(3, 1536)
+    y = kernel.apply(x, tensors, INT4)
+    ref = x @ w.dequantize().T
+    assert float((y - ref).norm() / ref.norm()) < PLUGIN_GEMM_REL_ERR
+
+
+def test_plugin_reusing_a_builtin_name_is_refused(
+    plugin_on_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist = tmp_path / "kiln_plugin_clash-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kiln-plugin-clash\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[kiln.kernels]\nclash = kiln_plugin_demo.kernel:ClashingNameKernel\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    registry.external_kernels.cache_clear()
+    with pytest.raises(KilnError, match="reuses the built-in kernel name 'dense'"):
+        registry.external_kernels()

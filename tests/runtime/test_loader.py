@@ -1,0 +1,84 @@
+"""The loader binds tensors straight from the memory-mapped files and refuses artifacts it can't run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from runtime.artifact.manifest import MANIFEST_NAME, ManifestError
+from runtime.loader import LoadError, TargetMismatchError, load_model
+from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
+
+# RSS may grow by at most this fraction of the weights' bytes right after load (module objects,
+# tokenizer, page tables: a fixed few MB, not the weights).
+RSS_GROWTH_MAX_FRACTION = 0.25
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.fixture(scope="module")
+def medium_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """≈60 MB of fp32 weights: large enough that a copy would show in RSS."""
+    model = tiny_hf_model("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4)
+    return write_artifact(model, tmp_path_factory.mktemp("medium"))
+
+
+def test_tensors_point_into_the_mapping_and_rss_does_not_grow(medium_artifact: Path) -> None:
+    load_model(medium_artifact)  # warm-up: first-time imports and tokenizer caches are not the weights
+    weights_bytes = sum((medium_artifact / f).stat().st_size for f in ["rank0.safetensors"])
+    before = _rss_bytes()
+    lm = load_model(medium_artifact)
+    grown = _rss_bytes() - before
+    assert grown < RSS_GROWTH_MAX_FRACTION * weights_bytes, f"RSS grew by {grown} for {weights_bytes} bytes"
+
+    ranges = [f.address_range for f in lm.files]
+    tensors = [*lm.model.parameters(), *lm.model.buffers()]
+    assert len(tensors) == len(lm.files[0].tensors)  # every tensor of the file is bound, none twice
+    for t in tensors:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        assert any(lo <= start and end <= hi for lo, hi in ranges), "tensor outside the file mapping (a copy)"
+    assert lm.model.lm_head_weight is not None  # untied: the lm_head.weight tensor of the file
+    lo, hi = ranges[0]
+    assert lo <= lm.model.lm_head_weight.data_ptr() < hi
+
+
+def test_refuses_gpu_target_without_cuda(tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    path = write_artifact(llama_artifact[0], tmp_path, target="sm90")
+    with pytest.raises(TargetMismatchError, match="built for sm90; this machine has no CUDA device — convert with "
+                                                  "--target cpu"):
+        load_model(path)
+
+
+def test_refuses_unknown_schema_version(tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+    path = tmp_path / "a"
+    shutil.copytree(llama_artifact[1], path)
+    data = json.loads((path / MANIFEST_NAME).read_text())
+    data["schema_version"] = 99
+    (path / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="schema_version 99 is not supported"):
+        load_model(path)
+
+
+def test_refuses_truncated_rank_file_and_wrong_tp(tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+    path = tmp_path / "a"
+    shutil.copytree(llama_artifact[1], path)
+    with pytest.raises(LoadError, match="sharded for tp=1"):
+        load_model(path, rank=0, world_size=2)
+    rank_file = path / "rank0.safetensors"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    with pytest.raises(LoadError, match="rank0.safetensors has .* bytes, the manifest says .*truncated"):
+        load_model(path)

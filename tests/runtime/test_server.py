@@ -1,0 +1,372 @@
+"""The OpenAI-compatible server over a real engine and a tiny random artifact, via HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.chat import apply_chat_template
+from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
+from tests.runtime.serving import MODEL_NAME, RunningServer, serve_artifact
+
+pytestmark = pytest.mark.timeout(120)
+
+# The artifact holds the reference model's own fp32 weights (dense kernel): the only differences are
+# summation order, so prompt logprobs agree to float32 rounding.
+LOGPROB_ATOL = 1e-4
+MAX_MODEL_LEN = 256
+ERROR_KEYS = {"message", "type", "param", "code"}
+METRIC_NAMES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+)
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> Any:
+    return tiny_hf_model("smollm2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory, reference_model: Any) -> Path:
+    return write_artifact(reference_model, tmp_path_factory.mktemp("server-artifact"))
+
+
+@pytest.fixture(scope="module")
+def server(artifact: Path) -> Iterator[RunningServer]:
+    with serve_artifact(artifact, max_model_len=MAX_MODEL_LEN) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as c:
+        yield c
+
+
+def _chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def _metrics(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = client.get("/metrics").text
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def _sse_events(lines: Iterator[str]) -> list[Any]:
+    events: list[Any] = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_health_models_version(client: httpx.Client, server: RunningServer) -> None:
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert client.get("/version").json()["version"]
+
+
+def test_echo_logprobs_match_direct_forward(
+    client: httpx.Client, server: RunningServer, reference_model: Any
+) -> None:
+    """lm-evaluation-harness `local-completions` loglikelihood request and parsing, verbatim in shape."""
+    tok = server.tokenizer
+    contexts = ["The quick brown fox", "Kiln turns checkpoints into"]
+    continuations = [" jumps over", " artifacts."]
+    prompts = [tok(c + x)["input_ids"] for c, x in zip(contexts, continuations, strict=True)]
+    ctxlens = [len(tok(c)["input_ids"]) for c in contexts]
+    payload = {
+        "model": MODEL_NAME,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    body = client.post("/v1/completions", json=payload).json()
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    for ids, ctxlen, choice in zip(prompts, ctxlens, choices, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert choice["text"].startswith(tok.decode(ids))
+        with torch.no_grad():
+            logits = reference_model(torch.tensor([ids])).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        got = torch.tensor(lp["token_logprobs"][1 : len(ids)])
+        torch.testing.assert_close(got, expected, atol=LOGPROB_ATOL, rtol=0)
+        # The top dict holds the actual token too, so lm-eval's is_greedy check is meaningful.
+        for pos in range(1, len(ids)):
+            top = lp["top_logprobs"][pos]
+            assert lp["token_logprobs"][pos] in top.values()
+            greedy = int(logits[pos - 1].argmax()) == ids[pos]
+            assert (lp["token_logprobs"][pos] == max(top.values())) == greedy
+        # lm-eval's parse_logprobs
+        continuation_lp = sum(lp["token_logprobs"][ctxlen:-1])
+        assert continuation_lp == pytest.approx(
+            float(expected[ctxlen - 1 :].sum()), abs=LOGPROB_ATOL * len(ids)
+        )
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert body["usage"]["completion_tokens"] == len(prompts)
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_only(
+    client: httpx.Client, server: RunningServer
+) -> None:
+    ids = server.tokenizer("Hello there")["input_ids"]
+    body = client.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0},
+    ).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello there"
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+
+
+def test_completion_logprobs_and_usage(client: httpx.Client, server: RunningServer) -> None:
+    body = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": "abc",
+            "max_tokens": 7,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 2,
+        },
+    ).json()
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert body["usage"]["completion_tokens"] == len(lp["tokens"]) == 7
+    assert body["usage"]["prompt_tokens"] == len(server.tokenizer("abc")["input_ids"])
+    assert choice["finish_reason"] == "length"
+    for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert value <= 0 and 1 <= len(top) <= 3
+        assert value == max(top.values())  # greedy: the chosen token is the most likely one
+
+
+def test_chat_usage_counts_and_finish_reason(client: httpx.Client, server: RunningServer) -> None:
+    messages = [{"role": "user", "content": "Count to three."}]
+    body = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": messages, "max_completion_tokens": 12, "ignore_eos": True},
+    ).json()
+    prompt_ids = apply_chat_template(server.tokenizer, messages)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 12,
+        "total_tokens": len(prompt_ids) + 12,
+    }
+
+
+def _printable_stop(text: str) -> str:
+    """A short substring of `text`, away from its start, made of plain characters."""
+    for i in range(3, len(text) - 2):
+        candidate = text[i : i + 2]
+        if candidate.isprintable() and "\ufffd" not in candidate and text.index(candidate) == i:
+            return candidate
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_trim_text_and_finish(client: httpx.Client) -> None:
+    base = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "temperature": 0,
+        "max_tokens": 48,
+        "ignore_eos": True,
+    }
+    full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = _printable_stop(full)
+    cut = full[: full.index(stop)]
+
+    stopped = client.post("/v1/completions", json={**base, "stop": [stop, "never-in-output"]}).json()
+    assert stopped["choices"][0]["text"] == cut
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+    with client.stream("POST", "/v1/completions", json={**base, "stop": stop, "stream": True}) as r:
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seed_makes_sampling_reproducible(client: httpx.Client) -> None:
+    req = _chat(
+        "Tell me a story", temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True
+    )
+    first = client.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"]
+    second = client.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"]
+    assert first == second
+
+
+def test_chat_logprobs(client: httpx.Client) -> None:
+    body = client.post(
+        "/v1/chat/completions",
+        json=_chat("hi", max_tokens=5, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3),
+    ).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"] == 5
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])  # greedy
+        assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_chat_stream_sse_format_and_usage_chunk(client: httpx.Client) -> None:
+    req = _chat(
+        "hi",
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"),
+    [
+        ("/v1/chat/completions", _chat("hi", model="no-such-model"), 404, "model", "model_not_found"),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model", "model_not_found"),
+        ("/v1/chat/completions", _chat("word " * 400), 400, "messages", "context_length_exceeded"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 10_000},
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        ("/v1/chat/completions", _chat("hi", temperature=-1), 400, "temperature", None),
+        ("/v1/chat/completions", _chat("hi", n=2), 400, "n", None),
+        ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages", None),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            None,
+        ),
+        ("/v1/chat/completions", _chat("hi", max_tokens=4, min_tokens=8), 400, None, None),
+        ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ],
+)
+def test_error_bodies(
+    client: httpx.Client, path: str, body: dict[str, Any], status: int, param: str | None, code: str | None
+) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert err["code"] == code
+
+
+def test_malformed_json_and_unknown_route(client: httpx.Client) -> None:
+    r = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and set(r.json()["error"]) == ERROR_KEYS
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404 and set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_metrics_names_and_counts_move(client: httpx.Client) -> None:
+    text = client.get("/metrics").text
+    for name in METRIC_NAMES:
+        assert f"\n{name}{{" in text or f"\n{name}_bucket{{" in text, name
+    before = _metrics(client)
+    body = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": "metrics please",
+            "max_tokens": 9,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
+    after = _metrics(client)
+
+    def delta(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert delta("vllm:prompt_tokens_total") == body["usage"]["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total") == 9
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 8
+    assert delta("vllm:request_success_total", (("finished_reason", "length"),)) == 1
+    assert after[("vllm:num_requests_running", ())] == 0
+
+
+def test_client_disconnect_aborts_the_request(client: httpx.Client, server: RunningServer) -> None:
+    before = _metrics(client)
+    max_tokens = MAX_MODEL_LEN - 32
+    req = _chat("go on", max_tokens=max_tokens, ignore_eos=True, temperature=0, stream=True)
+    with (
+        httpx.Client(base_url=server.base_url, timeout=30.0) as other,
+        other.stream("POST", "/v1/chat/completions", json=req) as r,
+    ):
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]  # role chunk + a couple of tokens (blank separators)
+        assert any(line.startswith("data: ") for line in received)
+    # Leaving the `with` closed the connection: the engine must drop the request and free its slot.
+    deadline = time.monotonic() + 10
+    while server.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.num_running == 0
+    after = _metrics(client)
+    aborted = (("finished_reason", "abort"),)
+    assert (
+        after.get(("vllm:request_success_total", aborted), 0)
+        - before.get(("vllm:request_success_total", aborted), 0)
+        == 1
+    )
+    assert (
+        after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
+        < max_tokens
+    )
