@@ -176,6 +176,12 @@ def main() -> None:
                 ratios = f"x{bf16_ms / ms:6.2f} vs bf16  x{fp32_ms / ms:6.2f} vs fp32"
                 print(f"  {name:40s} {ms:8.3f} ({med:.3f}) ms  {ratios}")
     env["loadavg_end"] = os.getloadavg()
+    for row in rows:
+        if row["kernel"] == "cpu_int4 sym g64" and row["shape"] == "2048x2048" and row["m"] == 1:
+            print(
+                f"\nint4 vs bf16 matmul at M=1 on 2048x2048: x{row['speedup_vs_bf16']} "
+                f"(the issue reported x17; fp32 matmul: x{row['speedup_vs_fp32']})"
+            )
     out = Path(__file__).resolve().parent / "results" / "cpu_kernels.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the `runtime`
+# package: replace that entry with the repository root.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO)
 RESULTS = REPO / "bench" / "results" / "runtime.json"
 DEFAULT_LLAMA_PYTHON = "/tmp/llamacpp-venv/bin/python"
 PROMPT = (
@@ -310,7 +314,7 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             _fmt(d.get("8")),
             _fmt(r["peak_rss_mb"], ""),
         )
-    console = Console()
+    console = Console(width=160)
     console.print(table)
 
     ratios: dict[str, Any] = {}

@@ -135,6 +135,8 @@ def _check_int(weight: SourceWeight, spec: LinearSpec, name: str) -> IntWeight:
         )
     if weight.bits != spec.bits:
         raise LayoutError(f"{name}: layer {spec.name} weight has {weight.bits} bits, spec says {spec.bits}")
+    if weight.codes.numel() and int(weight.codes.max()) >= 1 << weight.bits:
+        raise LayoutError(f"{name}: layer {spec.name} has codes >= {1 << weight.bits} for {weight.bits} bits")
     return weight
 
 
@@ -228,11 +230,13 @@ class CpuInt4Kernel(LinearKernel):
         n, k = spec.n, spec.k
         codes = unpack_int4(tensors["qweight"], n, k, *stored_pack_format(tensors)).float()
         sz = tensors["scales_and_zeros"].float()  # (K // op_group, N, 2)
-        op_gi = torch.arange(k) * sz.shape[0] // k
-        w = (codes - MIDPOINT) * sz[op_gi, :, 0].T + sz[op_gi, :, 1].T
+        op_group = k // sz.shape[0]
+        scale = sz[..., 0].T.repeat_interleave(op_group, dim=1)  # (N, K)
+        zero = sz[..., 1].T.repeat_interleave(op_group, dim=1)
+        w = torch.addcmul(zero, codes - MIDPOINT, scale)  # (q - 8) * s is exact in fp32
         if "zero_offsets" in tensors:
             off = tensors["zero_offsets"].float()  # (G, N)
-            w = w + off[torch.arange(k) * off.shape[0] // k].T
+            w += off.T.repeat_interleave(k // off.shape[0], dim=1)
         if "perm" in tensors:
             out = torch.empty_like(w)
             out[:, tensors["perm"].long()] = w

@@ -41,8 +41,11 @@ from kernels.triton_utils import (
     bf16_interpreter,
     check_act_dtype,
     default_config,
+    finish_output,
+    fit_to_groups,
+    gemm_output,
     import_triton,
-    largest_block_dividing,
+    launch_options,
     runs_triton,
 )
 
@@ -157,36 +160,25 @@ def fp8_marlin_gemm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, spec.k).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
+    if m == 0:
+        return x.new_empty(*lead, n)
     group = k if _group_size(spec) == -1 else _group_size(spec)
-    cfg = config or default_config(m, n, k, x.device)
-    cfg = GemmConfig(
-        cfg.block_m, cfg.block_n, largest_block_dividing(group, cfg.block_k), cfg.split_k,
-        cfg.num_warps, cfg.num_stages,
-    )  # fmt: skip
+    cfg, per_block_scale = fit_to_groups(config or default_config(m, n, k, x.device), group, act_order=False)
     bias = tensors.get("bias")
-    y = (
-        torch.zeros(m, n, device=x.device, dtype=torch.float32)
-        if cfg.split_k > 1
-        else torch.empty(m, n, device=x.device, dtype=x.dtype)
-    )
+    y = gemm_output(m, n, x, cfg)
     triton, _ = import_triton()
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launch: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
     _kernel()[grid](
         x2, tensors["qweight"], scales, bias if bias is not None else scales, y,
         m, n, k, group, 2.0 ** -EXPONENT_BIAS[x.dtype],
         GROUPED_SCALES=group < k,
-        PER_BLOCK_SCALE=group % cfg.block_k == 0,
-        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        PER_BLOCK_SCALE=per_block_scale,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         BF16_INTERP=bf16_interpreter(x),
-        **launch,
+        **launch_options(x, cfg),
     )  # fmt: skip
-    if cfg.split_k > 1:
-        if bias is not None:
-            y += bias.float()
-        y = y.to(x.dtype)
-    return y.reshape(*lead, n)
+    return finish_output(y, x).reshape(*lead, n)
 
 
 @cache
@@ -255,9 +247,9 @@ def _kernel() -> Any:
 
         y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
         mask_mn = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:  # added once, by the first K split
+            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
         if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
                 bits = acc.to(tl.int32, bitcast=True)
                 acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)

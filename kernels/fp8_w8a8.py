@@ -32,8 +32,11 @@ from kernels.triton_utils import (
     bf16_interpreter,
     check_act_dtype,
     default_config,
+    finish_output,
+    gemm_output,
     import_triton,
     interpreter_enabled,
+    launch_options,
     runs_triton,
 )
 
@@ -125,7 +128,7 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     triton, _ = import_triton()
     block = min(triton.next_power_of_2(k), 4096)
-    _quant_kernel()[(m,)](x2, q, scale, k, BLOCK=block, INTERPRET=not x2.is_cuda and interpreter_enabled())
+    _quant_kernel()[(m,)](x2, q, scale, k, BLOCK=block, INTERPRET=interpreter_enabled())
     return q, scale
 
 
@@ -137,32 +140,25 @@ def fp8_w8a8_gemm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, spec.k).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
+    if m == 0:
+        return x.new_empty(*lead, n)
     xq, xs = quantize_per_token(x2)
-    cfg = config or default_config(m, n, k, x.device)
+    cfg = config or default_config(m, n, k, x.device, kind="fp8")
     ws = tensors["weight_scale"]
     bias = tensors.get("bias")
-    y = (
-        torch.zeros(m, n, device=x.device, dtype=torch.float32)
-        if cfg.split_k > 1
-        else torch.empty(m, n, device=x.device, dtype=x.dtype)
-    )
+    y = gemm_output(m, n, x, cfg)
     triton, _ = import_triton()
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launch: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
     _gemm_kernel()[grid](
         xq, xs, tensors["weight"], ws, bias if bias is not None else ws, y,
         m, n, k,
         PER_CHANNEL=ws.numel() > 1,
-        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         BF16_INTERP=bf16_interpreter(x),
-        **launch,
+        **launch_options(x, cfg),
     )  # fmt: skip
-    if cfg.split_k > 1:
-        if bias is not None:
-            y += bias.float()
-        y = y.to(x.dtype)
-    return y.reshape(*lead, n)
+    return finish_output(y, x).reshape(*lead, n)
 
 
 def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
@@ -256,9 +252,9 @@ def _gemm_kernel() -> Any:
             acc = acc * xs[:, None] * tl.load(WS)
         y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
         mask_mn = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:  # added once, by the first K split
+            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
         if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
                 bits = acc.to(tl.int32, bitcast=True)
                 acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)

@@ -30,8 +30,11 @@ from kernels.triton_utils import (
     bf16_interpreter,
     check_act_dtype,
     default_config,
+    finish_output,
+    fit_to_groups,
+    gemm_output,
     import_triton,
-    largest_block_dividing,
+    launch_options,
     runs_triton,
 )
 
@@ -140,21 +143,18 @@ def gptq_wna16_gemm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, spec.k).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
+    if m == 0:
+        return x.new_empty(*lead, n)
     act_order = "g_idx" in tensors
     group = k if spec.group_size in (-1, 0) else spec.group_size
-    cfg = config or default_config(m, n, k, x.device)
-    if not act_order:
-        cfg = _with_block_k(cfg, largest_block_dividing(group, cfg.block_k))
-    per_block_scale = not act_order and group % cfg.block_k == 0
+    cfg, per_block_scale = fit_to_groups(
+        config or default_config(m, n, k, x.device), group, act_order=act_order
+    )
     scales = tensors["scales"]
     qzeros = tensors.get("qzeros", scales)  # placeholder pointer when symmetric
     g_idx = tensors.get("g_idx", scales)
     bias = tensors.get("bias")
-    y = (
-        torch.zeros(m, n, device=x.device, dtype=torch.float32)
-        if cfg.split_k > 1
-        else torch.empty(m, n, device=x.device, dtype=x.dtype)
-    )
+    y = gemm_output(m, n, x, cfg)
     triton, _ = import_triton()
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _kernel()[grid](
@@ -164,27 +164,15 @@ def gptq_wna16_gemm(
         HAS_ZP="qzeros" in tensors,
         ACT_ORDER=act_order,
         PER_BLOCK_SCALE=per_block_scale,
-        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k,
         BF16_INTERP=bf16_interpreter(x),
-        **_launch_kwargs(x, cfg),
+        **launch_options(x, cfg),
     )  # fmt: skip
-    if cfg.split_k > 1:
-        if bias is not None:
-            y += bias.float()
-        y = y.to(x.dtype)
-    return y.reshape(*lead, n)
-
-
-def _with_block_k(cfg: GemmConfig, block_k: int) -> GemmConfig:
-    return GemmConfig(cfg.block_m, cfg.block_n, block_k, cfg.split_k, cfg.num_warps, cfg.num_stages)
-
-
-def _launch_kwargs(x: torch.Tensor, cfg: GemmConfig) -> dict[str, Any]:
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
+    return finish_output(y, x).reshape(*lead, n)
 
 
 @cache
@@ -260,9 +248,9 @@ def _kernel() -> Any:
 
         y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
         mask_mn = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:  # added once, by the first K split
+            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
         if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
                 bits = acc.to(tl.int32, bitcast=True)
                 acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)

@@ -6,10 +6,10 @@ warp w in 0..3, lane th in 0..31, off = [0, 1, 8, 9],
     row(th, v) = 16 kt + 2 (th % 4) + off[v % 4],   col(th, v) = 64 nt + 16 w + th // 4 + 8 (v // 4)
     4-bit: out[kt, 128 nt + 4 th + w]          field t = q[row(th, v), col(th, v)], v = [0,2,4,6,1,3,5,7][t]
     8-bit: out[kt, 256 nt + 8 th + 2 w + h]    field t = q[row(th, u), col(th, u)], u = 4 h + [0,2,1,3][t]
-Implemented without index gathers: for 4-bit every output word is made of the same byte (th % 4) of
-four source words, whose nibbles are shuffled with a few uint8 ops; for 8-bit the whole transform is a
-single permutation of bytes (a view + permute + copy). Act-order: output row k reads source row
-perm[k] (perm = `sort_g_idx(g_idx)[1]`).
+Implementation: for 4-bit every output word is made of the same byte (th % 4) of four source words,
+whose nibbles are shuffled with a few uint8 ops on strided views (no index tensors); for 8-bit the
+transform is a pure byte permutation: a tile reshape plus one cached 1024-entry gather per tile.
+Act-order: output row k reads source row perm[k] (perm = `sort_g_idx(g_idx)[1]`).
 
 Scales: grouped (group_size < K and != -1) permute every 64 columns by scale_perm, otherwise every 32
 columns by scale_perm_single. Zero points: scale_perm on 64-column chunks, then the bit-width
@@ -102,23 +102,38 @@ def _unrepack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return out.view(torch.int32).view(k // 8, n)
 
 
-# 8-bit: source byte (row 4 r4 + byte, col) with local row = 8 R8 + 2 b + r1, b = 2 bhi + blo, i.e.
-# r4 = 2 R8 + bhi, byte = 2 blo + r1; col = 64 nt + 16 w + 8 h + cq. Output byte order within a
-# k-tile: [nt, cq, bhi, blo, w, h, r1, R8] (word 8 th + 2 w + h, field t = 2 r1 + R8).
-_SRC8 = "kt R8 bhi nt w h cq blo r1"
-_DST8 = "kt nt cq bhi blo w h r1 R8"
-_PERM8 = tuple(_SRC8.split().index(d) for d in _DST8.split())
-_INV8 = tuple(_DST8.split().index(d) for d in _SRC8.split())
-
-
 def _repack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    x = src.view(torch.uint8).view(k // 16, 2, 2, n // 64, 4, 2, 8, 2, 2)
-    return x.permute(*_PERM8).reshape(k // 16, n * 16).view(torch.int32)  # (K / 16, N * 16 / 4) int32
+    # 16 x 64 tiles as 1024 contiguous bytes [r4, col, byte] (local row = 4 r4 + byte), then one
+    # cached gather puts every byte at its Marlin position.
+    tiles = src.view(torch.uint8).view(k // 16, 4, n // 64, 256).permute(0, 2, 1, 3)
+    tiles = tiles.reshape(k // 16, n // 64, 1024)
+    return tiles[..., _tile_index8()].view(k // 16, n * 16).view(torch.int32)  # (K / 16, N * 4) int32
 
 
 def _unrepack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    x = src.view(torch.uint8).view(k // 16, n // 64, 8, 2, 2, 4, 2, 2, 2)
-    return x.permute(*_INV8).reshape(k // 4, n * 4).view(torch.int32)
+    tiles = src.view(torch.uint8).view(k // 16, n // 64, 1024)[..., _tile_index8_inverse()]
+    return tiles.view(k // 16, n // 64, 4, 256).permute(0, 2, 1, 3).reshape(k // 4, n * 4).view(torch.int32)
+
+
+@cache
+def _tile_index8() -> torch.Tensor:
+    """(1024,) source byte [r4, col, byte] of each Marlin byte 4 m + t of one 8-bit tile (closed form)."""
+    off = (0, 1, 8, 9)
+    idx = torch.empty(1024, dtype=torch.long)
+    for th in range(32):
+        for w in range(4):
+            for h in range(2):
+                for t, sub in enumerate((0, 2, 1, 3)):
+                    u = 4 * h + sub
+                    row = 2 * (th % 4) + off[u % 4]
+                    col = 16 * w + th // 4 + 8 * (u // 4)
+                    idx[4 * (8 * th + 2 * w + h) + t] = (row // 4) * 256 + col * 4 + row % 4
+    return idx
+
+
+@cache
+def _tile_index8_inverse() -> torch.Tensor:
+    return torch.argsort(_tile_index8())
 
 
 def _permute_packed_rows(src: torch.Tensor, bits: int, k: int, perm: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ before the store. On a GPU the flag is off and the dot runs on bf16 tensor cores
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -63,7 +64,7 @@ def runs_triton(x: torch.Tensor) -> bool:
 
 def bf16_interpreter(x: torch.Tensor) -> bool:
     """bfloat16 activations under the interpreter: enable the BF16_INTERP workarounds (module docstring)."""
-    return not x.is_cuda and x.dtype == torch.bfloat16
+    return interpreter_enabled() and x.dtype == torch.bfloat16
 
 
 def check_act_dtype(x: torch.Tensor, kernel: str) -> None:
@@ -90,24 +91,80 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def default_config(m: int, n: int, k: int, device: torch.device, *, max_block_k: int = 128) -> GemmConfig:
-    """Block sizes by M bucket; split-K fills the GPU when M and N leave too few tiles.
+def default_config(
+    m: int, n: int, k: int, device: torch.device, *, kind: Literal["dequant", "fp8"] = "dequant"
+) -> GemmConfig:
+    """Block sizes by M bucket (no autotuning, `cuda_block_config`); split-K fills the GPU when
+    M and N leave fewer than two tiles per SM.
 
-    On the CPU interpreter larger blocks are cheaper (fewer interpreted programs) and split-K
-    only adds work, so it uses one K split and wide tiles.
+    "dequant" kernels gather an int32 word per weight element, so their tiles cost 4 bytes per
+    element per pipeline stage: the sizes keep 3 stages under the 99 KB of shared memory of
+    sm86/sm89 (checked by compiling for sm80/sm90: bench/gpu_check.py --compile-only). Kernels
+    that gather scales per element too (act-order, odd groups) drop to 2 stages (`fit_to_groups`).
+    "fp8" (fp8_w8a8) loads 1-byte tiles. On the CPU interpreter wide tiles and no split-K are cheapest.
     """
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if device.type != "cuda":
-        return GemmConfig(block_m=block_m, block_n=128, block_k=min(128, max_block_k), split_k=1)
-    block_n = 64 if m <= 16 else 128
-    block_k = min(128 if m <= 64 else 64, max_block_k)
-    tiles = -(-m // block_m) * -(-n // block_n)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type != "cuda" or interpreter_enabled():
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        return GemmConfig(block_m=block_m, block_n=128, block_k=128, split_k=1)
+    cfg = cuda_block_config(m, kind)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split_k = 1
-    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * block_k and split_k < 16:
+    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * cfg.block_k and split_k < 16:
         split_k *= 2
-    num_warps = 4 if block_m * block_n <= 64 * 64 else 8
-    return GemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages=4 if m <= 16 else 3)
+    return replace(cfg, split_k=split_k)
+
+
+def cuda_block_config(m: int, kind: Literal["dequant", "fp8"] = "dequant") -> GemmConfig:
+    """Tile sizes, warps and stages by M bucket on CUDA (split-K is decided by `default_config`)."""
+    if kind == "fp8":
+        if m <= 16:
+            return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
+        if m <= 64:
+            return GemmConfig(64, 128, 128, num_warps=8, num_stages=4)
+        return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+    if m <= 16:
+        return GemmConfig(16, 64, 128, num_warps=4, num_stages=3)
+    if m <= 32:
+        return GemmConfig(32, 64, 64, num_warps=4, num_stages=3)
+    if m <= 64:
+        return GemmConfig(64, 128, 64, num_warps=8, num_stages=3)
+    return GemmConfig(128, 128, 32, num_warps=8, num_stages=3)
+
+
+def fit_to_groups(cfg: GemmConfig, group_size: int, *, act_order: bool) -> tuple[GemmConfig, bool]:
+    """(config, per_block_scale): shrink BLOCK_K to divide the group so each K block reads one scale
+    row (applied to the dot's result); otherwise (act-order, odd groups) scales are gathered per
+    element, which doubles the bytes per stage, so the pipeline is capped at 2 stages."""
+    if not act_order:
+        cfg = replace(cfg, block_k=largest_block_dividing(group_size, cfg.block_k))
+        if group_size % cfg.block_k == 0:
+            return cfg, True
+    return replace(cfg, num_stages=min(cfg.num_stages, 2)), False
+
+
+def launch_options(x: torch.Tensor, cfg: GemmConfig) -> dict[str, int]:
+    """num_warps / num_stages for a CUDA launch (the interpreter takes none)."""
+    if x.is_cuda and not interpreter_enabled():
+        return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return {}
+
+
+def gemm_output(m: int, n: int, x: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
+    """The kernel's output buffer: act dtype, or a zeroed fp32 buffer that K splits atomically add into."""
+    if cfg.split_k > 1:
+        return torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    return torch.empty(m, n, device=x.device, dtype=x.dtype)
+
+
+def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Cast a split-K fp32 buffer back to the act dtype (a no-op otherwise)."""
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def largest_block_dividing(group_size: int, block_k: int) -> int:

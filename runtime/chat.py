@@ -26,7 +26,9 @@ def apply_chat_template(
             "this model's tokenizer has no chat template; use /v1/completions (or --no-chat) instead"
         )
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
     assert isinstance(text, str)

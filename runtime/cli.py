@@ -1,12 +1,137 @@
-"""Command registration (filled in by the owning package)."""
+"""Runtime commands of the `kiln` CLI: `pull` and `generate` (here) and `serve` (runtime/serve_cli.py)."""
 
 from __future__ import annotations
 
-import typer
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
 
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from kernels.errors import KilnError
 from runtime.serve_cli import register_serve
+
+err = Console(stderr=True)
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the `kiln` app."""
+    app.command("pull")(pull_command)
+    app.command("generate")(generate_command)
+    # ---- `kiln serve` lives in runtime/serve_cli.py (server owner) --------------------------------
     register_serve(app)
+
+
+def pull_with_progress(uri: str, cache_dir: Path, rank: int | None = None) -> Path:
+    """`runtime.artifact.pull.pull` with a rich progress bar on stderr (local dirs: verify only)."""
+    from runtime.artifact.pull import PullProgress, pull
+
+    if not uri.startswith("s3://"):
+        with err.status(f"verifying {uri}"):
+            return pull(uri, cache_dir, rank)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=False,
+    ) as bar:
+        task = bar.add_task(f"pull {uri.rsplit('/', 1)[-1]}", total=None)
+
+        def on_progress(p: PullProgress) -> None:
+            bar.update(task, completed=p.bytes_done, total=p.bytes_total)
+
+        return pull(uri, cache_dir, rank, on_progress)
+
+
+def _fail(e: KilnError) -> typer.Exit:
+    err.print(f"[red]error:[/red] {e}")
+    return typer.Exit(code=1)
+
+
+def pull_command(
+    uri: Annotated[
+        str, typer.Argument(help="s3://bucket/prefix/<artifact_id> or a local artifact directory")
+    ],
+    rank: Annotated[int | None, typer.Option(help="TP rank: pull only its files (default: all)")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="default: KILN_CACHE_DIR")] = None,
+) -> None:
+    """Download an artifact (parallel ranged GETs, resumable, sha256-verified) into the local cache."""
+    from runtime.settings import get_settings
+
+    try:
+        path = pull_with_progress(uri, cache_dir or get_settings().cache_dir, rank)
+    except KilnError as e:
+        raise _fail(e) from e
+    typer.echo(str(path))
+
+
+def generate_command(
+    artifact: Annotated[str, typer.Argument(help="artifact directory or s3://bucket/prefix/<artifact_id>")],
+    prompt: Annotated[str, typer.Option(help="the prompt (or the user message with --chat)")],
+    chat: Annotated[bool, typer.Option(help="format the prompt with the tokenizer's chat template")] = False,
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help="auto (compute dtype) or fp8 (e4m3, per-layer scales)")
+    ] = "auto",
+    max_model_len: Annotated[
+        int | None, typer.Option(help="context length (default: min(model, 2048))")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="where s3:// artifacts are pulled (KILN_CACHE_DIR)")
+    ] = None,
+) -> None:
+    """One-shot generation: prints the completion, then load time and tokens/s on stderr."""
+    from runtime.chat import apply_chat_template
+    from runtime.engine import Engine
+    from runtime.loader import load_model
+    from runtime.sampling import SamplingParams
+    from runtime.settings import get_settings
+
+    started = time.perf_counter()
+    try:
+        if artifact.startswith("s3://"):
+            path = pull_with_progress(artifact, cache_dir or get_settings().cache_dir)
+        else:
+            path = Path(artifact)
+        loaded = load_model(path, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
+        engine = Engine(loaded, max_num_seqs=1, max_model_len=max_model_len)
+        tokenizer = loaded.tokenizer
+        assert tokenizer is not None
+        if chat:
+            ids = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+        else:
+            ids = list(tokenizer(prompt)["input_ids"])
+        load_s = time.perf_counter() - started
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
+        engine.add_request("cli", ids, params)
+        last = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+                last = out
+    except KilnError as e:
+        raise _fail(e) from e
+    sys.stdout.write("\n")
+    assert last is not None
+    m = last.metrics
+    assert m.first_token_time is not None and m.last_token_time is not None
+    ttft = m.first_token_time - m.arrival_time
+    decode_s = m.last_token_time - m.first_token_time
+    rate = (last.num_generated - 1) / decode_s if decode_s > 0 else float("nan")
+    err.print(
+        f"[dim]load {load_s:.2f}s (mapping {loaded.load_seconds:.2f}s) · prompt {len(ids)} tokens, "
+        f"first token {ttft * 1000:.0f} ms · {last.num_generated} tokens at {rate:.1f} tok/s "
+        f"· finish: {last.finish_reason}[/dim]"
+    )

@@ -27,7 +27,14 @@ import torch
 
 from runtime.kv_cache import CALIBRATION_TEXT, KVCache
 from runtime.loader import LoadedModel
-from runtime.sampling import InvalidRequestError, SamplerRow, SamplingParams, TokenLogprob, sample, token_logprobs
+from runtime.sampling import (
+    InvalidRequestError,
+    SamplerRow,
+    SamplingParams,
+    TokenLogprob,
+    sample,
+    token_logprobs,
+)
 from runtime.settings import get_settings
 from runtime.tokenizer import IncrementalDetokenizer
 
@@ -119,6 +126,8 @@ class Engine:
         self.model_name = loaded.manifest.artifact_id
         cfg = loaded.config
         limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # full attention equals sliding-window attention up to the window
+            limit = min(limit, cfg.sliding_window)
         self.max_model_len = min(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = loaded.eos_token_ids
@@ -156,7 +165,9 @@ class Engine:
         return len(self._waiting) + len(self._inbox)
 
     def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting or self._inbox or self._pending_outputs or self._abort_inbox)
+        return bool(
+            self._running or self._waiting or self._inbox or self._pending_outputs or self._abort_inbox
+        )
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
@@ -218,8 +229,12 @@ class Engine:
         )
         if batch:
             self.stats.decode_batch_sizes.append(len(batch))
-            tokens = torch.tensor([s.output_ids[-1] for s in batch], dtype=torch.long)
-            logits = self.model.decode(tokens, [s.slot for s in batch], [s.position for s in batch], self.cache)
+            tokens = torch.tensor(
+                [s.output_ids[-1] for s in batch], dtype=torch.long, device=self.model.device
+            )
+            logits = self.model.decode(
+                tokens, [s.slot for s in batch], [s.position for s in batch], self.cache
+            )
             new_tokens, lps = sample(logits, [self._sampler_row(s) for s in batch])
             new_tokens = self._sync_tokens(new_tokens)
             for seq, tok, lp in zip(batch, new_tokens, lps, strict=True):
@@ -244,7 +259,7 @@ class Engine:
     def _prefill(self, seq: _Sequence) -> RequestOutput:
         now = time.monotonic()
         seq.metrics.first_scheduled_time = now
-        ids = torch.tensor(seq.prompt_ids, dtype=torch.long)
+        ids = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.model.device)
         want_prompt_lp = seq.params.prompt_logprobs is not None
         logits = self.model.prefill(ids, seq.slot, self.cache, all_logits=want_prompt_lp)
         self.stats.prompt_tokens_total += len(seq.prompt_ids)
@@ -349,7 +364,7 @@ class Engine:
             ids = [i % self.loaded.config.vocab_size for i in range(64)]
         ids = ids[: self.max_model_len]
         self.cache.begin_calibration()
-        self.model.prefill(torch.tensor(ids, dtype=torch.long), 0, self.cache)
+        self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.model.device), 0, self.cache)
         self.cache.end_calibration()
         log.info("fp8 KV cache: per-layer scales calibrated on %d tokens", len(ids))
 
@@ -359,7 +374,9 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._streams: dict[
+            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]
+        ] = {}
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None

@@ -73,9 +73,7 @@ def perplexity(
         logits = logits_fn(ids)  # (1, T, V)
         if logits.shape[:2] != ids.shape:
             raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for input {tuple(ids.shape)}")
-        nll = torch.nn.functional.cross_entropy(
-            logits[0, :-1].float(), ids[0, 1:], reduction="sum"
-        ).item()
+        nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum").item()
         total_nll += nll
         total_tokens += len(chunk) - 1
         per_window.append(math.exp(nll / (len(chunk) - 1)))
@@ -112,3 +110,46 @@ def runtime_logits_fn(loaded: Any) -> LogitsFn:
         return engine.model.prefill(ids[0], 0, engine.cache, all_logits=True)[None]
 
     return logits_fn
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    first_token_s: float  # request start -> first token (prefill)
+    decode_s: float  # first token -> last token
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def generate_greedy(
+    loaded: Any, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = False
+) -> Generation:
+    """One greedy request through the runtime's engine (batch of one), timed."""
+    import time
+
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine(loaded, max_num_seqs=1, max_model_len=len(prompt_ids) + max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    started = time.perf_counter()
+    engine.add_request("greedy", list(prompt_ids), params)
+    tokens: list[int] = []
+    text: list[str] = []
+    first = last = started
+    finish: str | None = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            last = time.perf_counter()
+            if not tokens:
+                first = last
+            tokens.extend(out.new_token_ids)
+            text.append(out.text_delta)
+            if out.finished:
+                finish = out.finish_reason
+    return Generation(tokens, "".join(text), finish, first - started, last - first)

@@ -25,7 +25,7 @@ from kernels.errors import KilnError
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
 from runtime.kv_cache import KvCacheDtype
-from runtime.model import KernelLinear, LlamaForCausalLM, ModelConfig
+from runtime.model import LlamaForCausalLM, ModelConfig
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ def check_target(target: str, device: str) -> None:
     if not t.is_gpu:
         if device != "cpu":
             raise TargetMismatchError(
-                f"artifact built for cpu cannot run on {device}; convert with --target sm{_capability() or 'XX'}"
+                f"artifact built for cpu cannot run on {device}; "
+                f"convert with --target sm{_capability() or 'XX'}"
             )
         return
     if not torch.cuda.is_available():
@@ -120,6 +121,12 @@ def _capability() -> int:
         return 0
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor
+
+
+def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
+    """Activation dtype: fp32 on CPU (the fast GEMM path there; cpu kernels take fp32 x and
+    bf16 / fp16 -> fp32 is exact), the artifact's act_dtype on GPU."""
+    return torch.float32 if device == "cpu" else getattr(torch, manifest.act_dtype)
 
 
 def default_device(manifest: Manifest) -> str:
@@ -143,7 +150,9 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-def _eos_ids(artifact_dir: Path, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+def _eos_ids(
+    artifact_dir: Path, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[int, ...]:
     ids: set[int] = set()
 
     def add(v: object) -> None:
@@ -190,7 +199,7 @@ def load_model(
         raise LoadError(f"rank {rank} out of range for world_size {world_size}")
 
     cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
-    dtype: torch.dtype = getattr(torch, manifest.act_dtype)
+    dtype = compute_dtype(manifest, device)
     has_lm_head_layer = "lm_head" in manifest.layers
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
@@ -201,10 +210,13 @@ def load_model(
     for entry in manifest.rank_files(rank):
         path = artifact_dir / entry.name
         if not path.is_file():
-            raise LoadError(f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})")
+            raise LoadError(
+                f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})"
+            )
         if path.stat().st_size != entry.size:
             raise LoadError(
-                f"{path} has {path.stat().st_size} bytes, the manifest says {entry.size}: truncated — pull it again"
+                f"{path} has {path.stat().st_size} bytes, the manifest says {entry.size}: "
+                "truncated — pull it again"
             )
         mapped = map_safetensors(path)
         files.append(mapped)
@@ -219,7 +231,9 @@ def load_model(
     for name, entry in manifest.layers.items():
         module = linears.get(name)
         if module is None:
-            raise LoadError(f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)")
+            raise LoadError(
+                f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)"
+            )
         kernel = get_kernel(entry.kernel)
         spec = entry.linear_spec()
         bound: dict[str, torch.Tensor] = {}
@@ -235,7 +249,9 @@ def load_model(
         module.bind(kernel, spec, bound)
     missing = [m.name for m in linears.values() if m.kernel is None]
     if missing:
-        raise LoadError(f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete")
+        raise LoadError(
+            f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
+        )
 
     # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the compute dtype.
     for hf_name, (module, attr) in model.hf_parameter_names().items():
@@ -255,8 +271,11 @@ def load_model(
         else:
             raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
         if head.dtype != dtype:
-            log.info("lm_head: converting the %s weight to %s once at load (no lm_head layer in the artifact)",
-                     head.dtype, dtype)
+            log.info(
+                "lm_head: converting the %s weight to %s once at load (no lm_head layer in the artifact)",
+                head.dtype,
+                dtype,
+            )
             head = head.to(dtype)
         model.lm_head_weight = head
     unused = sorted(set(tensors) - used)

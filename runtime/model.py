@@ -9,6 +9,9 @@ Tensor parallel (Megatron): qkv_proj / gate_up_proj column-parallel (this rank's
 intermediate slice), attention and SwiGLU local, o_proj / down_proj row-parallel followed by an
 all-reduce; embeddings, norms and lm_head replicated.
 
+Attention is full (no sliding window): the engine caps the context at a model's sliding_window,
+within which both are identical.
+
 Shapes: the model runs on (B, T) token ids; prefill is one sequence (B=1) from position 0,
 decode is B sequences with one token each at their own positions.
 """
@@ -46,6 +49,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    sliding_window: int | None = None  # Mistral v0.1 (and Qwen2 with use_sliding_window)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
@@ -82,6 +86,11 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            sliding_window=(
+                cfg.get("sliding_window")
+                if arch == "MistralForCausalLM" or cfg.get("use_sliding_window")
+                else None
+            ),
         )
 
 
@@ -119,7 +128,9 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> torch.Tensor:
         scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
         medium = (wavelen <= orig / low) & (wavelen >= orig / high)
         return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, dynamic)")
+    raise UnsupportedError(
+        f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, dynamic)"
+    )
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +202,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -206,7 +217,7 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer_idx, ctx.read_slots, ctx.read_len)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
@@ -216,9 +227,9 @@ class MLP(nn.Module):
         self.down_proj = KernelLinear(f"{prefix}.down_proj", all_reduce=world_size > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj.forward(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -271,6 +282,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight: torch.Tensor | None
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.dtype = torch.float32
+        self.device = torch.device("cpu")
         self.cos = self.sin = torch.empty(0)
 
     # names as the artifact stores them -> modules / parameters
@@ -281,13 +293,17 @@ class LlamaForCausalLM(nn.Module):
         names: dict[str, tuple[nn.Module, str]] = {"model.embed_tokens.weight": (self.embed_tokens, "weight")}
         for i, layer in enumerate(self.layers):
             names[f"model.layers.{i}.input_layernorm.weight"] = (layer.input_layernorm, "weight")
-            names[f"model.layers.{i}.post_attention_layernorm.weight"] = (layer.post_attention_layernorm, "weight")
+            names[f"model.layers.{i}.post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm,
+                "weight",
+            )
         names["model.norm.weight"] = (self.norm, "weight")
         return names
 
     def setup(self, dtype: torch.dtype, max_len: int, device: torch.device | str) -> None:
         """After binding: compute dtype and rope tables for positions [0, max_len)."""
         self.dtype = dtype
+        self.device = torch.device(device)
         self.cos, self.sin = (t.to(device) for t in rope_tables(self.cfg, max_len, dtype))
 
     # ---------------------------------------------------------------------------------------------
@@ -309,21 +325,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids (T,) from position 0 into `slot`. Logits (V,) of the last position, or (T, V)."""
         t = input_ids.shape[0]
-        ctx = ForwardContext(cache=cache, cos=self.cos[:t][None, None], sin=self.sin[:t][None, None], prefill_slot=slot)
+        ctx = ForwardContext(
+            cache=cache, cos=self.cos[:t][None, None], sin=self.sin[:t][None, None], prefill_slot=slot
+        )
         hidden = self._body(input_ids[None], ctx)[0]
         return self.logits(hidden if all_logits else hidden[-1])
 
-    def decode(self, tokens: torch.Tensor, slots: list[int], positions: list[int], cache: KVCache) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, slots: list[int], positions: list[int], cache: KVCache
+    ) -> torch.Tensor:
         """One token per sequence: tokens (B,), its cache slot and position. Logits (B, V)."""
         b = len(slots)
-        pos = torch.tensor(positions, dtype=torch.long)
-        slot_t = torch.tensor(slots, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
         read_len = max(positions) + 1
         contiguous = slots == list(range(slots[0], slots[0] + b))
         read_slots: slice | torch.Tensor = slice(slots[0], slots[0] + b) if contiguous else slot_t
         mask = None
         if b > 1:
-            mask = (torch.arange(read_len)[None, :] <= pos[:, None])[:, None, None, :]
+            mask = (torch.arange(read_len, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         ctx = ForwardContext(
             cache=cache,
             cos=self.cos[pos][:, None, None],

@@ -104,7 +104,7 @@ class SamplerRow:
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Next token of each row of (B, V) logits, plus its logprob entry when the row asked for one."""
-    logits = logits.float()
+    logits = logits.float().cpu()  # per-request CPU generators; .tolist() syncs anyway
     all_greedy = all(r.params.greedy and r.params.min_tokens <= r.num_generated for r in rows)
     if all_greedy and all(r.params.logprobs is None for r in rows):
         return logits.argmax(dim=-1).tolist(), [None] * len(rows)

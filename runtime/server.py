@@ -356,11 +356,14 @@ class OpenAIServing:
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                work.cancel()
                 raise _Disconnected
             work.result()
         finally:
             watcher.cancel()
+            if not work.done():
+                # Cancelling the drains closes their output streams, which aborts the requests.
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
             for s in started:
                 await s.aclose()
         return results

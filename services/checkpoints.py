@@ -122,7 +122,9 @@ def _cached_build(name: str, cache: Path | None, build: Callable[[Path], None]) 
         started = time.perf_counter()
         try:
             build(tmp)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"seconds": round(time.perf_counter() - started, 1)}))
+            (tmp / COMPLETE_MARKER).write_text(
+                json.dumps({"seconds": round(time.perf_counter() - started, 1)})
+            )
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +165,7 @@ def _build_bf16(out: Path) -> None:
 
 
 def build_bf16(cache: Path | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a bf16 Hugging Face checkpoint (tokenizer, chat template, generation config)."""
+    """SmolLM2-135M-Instruct as a bf16 HF checkpoint (tokenizer, chat template, generation config)."""
     gguf_file()  # fail fast, before taking the lock
     return _cached_build(BF16_DIR, cache, _build_bf16)
 
@@ -171,7 +173,9 @@ def build_bf16(cache: Path | None = None) -> Path:
 # --- llm-compressor builds ------------------------------------------------------------------
 
 
-def calibration_dataset(tokenizer: Any, samples: int = CALIBRATION_SAMPLES, seq_len: int = CALIBRATION_SEQ_LEN):
+def calibration_dataset(
+    tokenizer: Any, samples: int = CALIBRATION_SAMPLES, seq_len: int = CALIBRATION_SEQ_LEN
+):
     """`samples` consecutive, non-overlapping chunks of `seq_len` tokens of the calibration texts."""
     from datasets import Dataset
 

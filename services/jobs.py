@@ -177,10 +177,13 @@ def discard_stale_staging(artifact_ids: list[str], settings: Settings) -> None:
             elif hasattr(store, "staging_keys"):  # S3: {prefix}/.staging/{aid}-{random}/{name}
                 keys = [k for k in store.staging_keys() if k.split(".staging/", 1)[-1].startswith(f"{aid}-")]
                 store.delete_keys(keys)
+                if keys:
+                    log.info("artifact %s: removed %d object(s) a dead attempt had staged", aid, len(keys))
             elif hasattr(store, "staging_entries"):  # local: {root}/.staging/{aid}-{random}/
                 for entry in store.staging_entries():
                     if entry.name.startswith(f"{aid}-"):
                         shutil.rmtree(entry, ignore_errors=True)
+                        log.info("artifact %s: removed %s, staged by a dead attempt", aid, entry)
         except Exception as e:
             log.warning("artifact %s: stale staging not removed (%s)", aid, e)
 
@@ -209,6 +212,7 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
                 build_request(spec, settings),  # type: ignore[arg-type]
                 progress=ProgressWriter(job_id, settings),
                 should_cancel=CancelCheck(job_id, settings),
+                settings=settings,
             )
     except Cancelled as e:
         _finish(job_id, "cancelled", f"cancelled: {e}", settings)
@@ -235,6 +239,7 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
         return "failed"
 
     ids = [r.artifact_id for r in results]
+    discard_stale_staging(ids, settings)  # before the job reads as succeeded
     try:
         with session_scope(settings) as s:
             for r in results:
@@ -244,7 +249,6 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
         if is_transient(e):  # the artifacts are committed: the retry reuses them
             raise TransientJobError(str(e)) from e
         raise
-    discard_stale_staging(ids, settings)
     log.info("job %s: succeeded: %s", job_id, ", ".join(ids))
     return "succeeded"
 

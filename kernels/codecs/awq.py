@@ -9,12 +9,12 @@ Groups are contiguous (no g_idx).
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
 
 import torch
 
 from kernels.base import IntWeight
-from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols
+from kernels.codecs.bitpack import pack_cols, pack_rows
 from kernels.errors import LayoutError
 
 AWQ_PACK_ORDER: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
@@ -41,10 +41,10 @@ def decode_awq(
     expected_g = 1 if group_size in (-1, 0) else k // group_size
     if g != expected_g:
         raise LayoutError(f"AWQ K={k} with group_size={group_size} needs {expected_g} scale rows, got {g}")
-    codes = awq_unpack(qweight, bits)  # (K, N)
+    codes = awq_unpack_transposed(qweight, bits)  # (N, K)
     zeros = awq_unpack(qzeros, bits)  # (G, N)
     return IntWeight(
-        codes=codes.T.contiguous(), scales=scales, bits=bits, group_size=group_size, zeros=zeros
+        codes=codes, scales=scales, bits=bits, group_size=group_size, zeros=zeros
     )
 
 
@@ -82,9 +82,17 @@ def awq_to_standard(
 def awq_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """(R, C * bits / 32) int32 in AWQ order -> (R, C) uint8 in natural column order."""
     r, words = packed.shape
-    pf = 32 // bits
-    raw = unpack_cols(packed, bits, words * pf)  # field order
-    return raw.reshape(r, words, pf)[..., _inverse_order(bits)].reshape(r, -1)
+    out = torch.empty(r, words, 32 // bits, dtype=torch.uint8)
+    _scatter_fields(packed, bits, lambda col: out[..., col])
+    return out.view(r, -1)
+
+
+def awq_unpack_transposed(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, C * bits / 32) int32 in AWQ order -> (C, R) uint8: `awq_unpack(...).T`, built directly."""
+    r, words = packed.shape
+    out = torch.empty(words, 32 // bits, r, dtype=torch.uint8)
+    _scatter_fields(packed.T.contiguous(), bits, lambda col: out[:, col])  # int32 transpose is cheap
+    return out.view(-1, r)
 
 
 def awq_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,9 +107,17 @@ def awq_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_cols(q.reshape(r, c // pf, pf)[..., order].reshape(r, c), bits)
 
 
-@cache
-def _inverse_order(bits: int) -> torch.Tensor:
-    return torch.argsort(torch.tensor(AWQ_PACK_ORDER[bits]))
+def _scatter_fields(packed: torch.Tensor, bits: int, dest: Callable[[int], torch.Tensor]) -> None:
+    """Write field f of every word (AWQ order) into dest(order[f]); one strided op per field."""
+    raw = packed.contiguous().view(torch.uint8).view(*packed.shape, 4)
+    order = AWQ_PACK_ORDER[bits]
+    for f in range(32 // bits):
+        if bits == 8:
+            dest(order[f]).copy_(raw[..., f])
+        elif f % 2 == 0:
+            torch.bitwise_and(raw[..., f // 2], 0x0F, out=dest(order[f]))
+        else:
+            torch.bitwise_right_shift(raw[..., f // 2], 4, out=dest(order[f]))
 
 
 def _check(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int) -> None:

@@ -41,13 +41,58 @@ def packed_length(length: int, bits: int) -> int:
 def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """(K, N) integer codes in [0, 2**bits) -> (ceil(K*bits/32), N) int32, packed along dim 0."""
     _check_2d(q, "q")
-    return pack_cols(q.T, bits).T.contiguous()
+    _check_bits(bits)
+    if bits == 3:
+        return pack_cols(q.T, bits).T.contiguous()
+    codes = _as_codes(q, bits)
+    pf = 32 // bits
+    k, n = codes.shape
+    if k % pf:
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pf - k % pf))
+    per_byte = 8 // bits
+    v = codes.view(-1, 4, per_byte, n)  # [word row, byte j, field in byte s, N]
+    out = torch.empty(v.shape[0], n, 4, dtype=torch.uint8)  # little-endian bytes of each word
+    for j in range(4):  # byte planes; long contiguous inner loops, strided stores
+        plane = v[:, j, 0] if per_byte == 1 else _or_fields(v[:, j], bits)
+        out[..., j] = plane
+    return out.view(torch.int32).view(-1, n)  # (ceil(K * bits / 32), N) int32
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """(K*bits/32, N) int32 -> (K, N) uint8: the inverse of `pack_rows`, keeping the first `k` rows."""
     _check_2d(packed, "packed")
-    return unpack_cols(packed.T, bits, k).T.contiguous()
+    _check_bits(bits)
+    if bits == 3:
+        return unpack_cols(packed.T, bits, k).T.contiguous()
+    if packed.dtype != torch.int32:
+        raise LayoutError(f"packed tensor must be int32, got {packed.dtype}")
+    rows, n = packed.shape
+    if k > packed_capacity(rows, bits) or k < 0:
+        raise LayoutError(f"cannot unpack {k} {bits}-bit rows from {rows} int32 rows")
+    raw = packed.contiguous().view(torch.uint8).view(rows, n, 4)
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    out = torch.empty(rows, 4, per_byte, n, dtype=torch.uint8)
+    for j in range(4):
+        for s in range(per_byte):
+            if bits == 8:
+                out[:, j, s] = raw[..., j]
+            elif s == 0:
+                torch.bitwise_and(raw[..., j], mask, out=out[:, j, s])
+            elif s == per_byte - 1:
+                torch.bitwise_right_shift(raw[..., j], bits * s, out=out[:, j, s])
+            else:
+                out[:, j, s] = (raw[..., j] >> (bits * s)) & mask
+    full = out.view(-1, n)
+    return full[:k] if k < full.shape[0] else full
+
+
+def _or_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """v (R, per_byte, N) uint8 fields -> (R, N) uint8 bytes, field s at bits [bits*s, bits*s + bits)."""
+    acc = v[:, 0] | (v[:, 1] << bits)
+    for s in range(2, v.shape[1]):
+        acc |= v[:, s] << (bits * s)
+    return acc
 
 
 def pack_cols(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -125,7 +170,8 @@ def _as_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     if q.dtype == torch.uint8 and bits == 8:
         return q.contiguous()
     if q.numel():
-        lo, hi = int(q.min()), int(q.max())
+        lo_t, hi_t = torch.aminmax(q)
+        lo, hi = int(lo_t), int(hi_t)
         if lo < 0 or hi >= (1 << bits):
             raise LayoutError(
                 f"{bits}-bit codes must lie in [0, {(1 << bits) - 1}], found values in [{lo}, {hi}]"

@@ -22,6 +22,7 @@ E4M3_MAX = 448.0
 BLOCK_AMAX_FLOOR = 1e-4  # per_block_cast_to_fp8's clamp
 _E4M3_MIN_NORMAL = 2.0**-6
 _E4M3_SUBNORMAL_STEP = 2.0**-9
+_CHUNK_ELEMS = 1 << 18  # float32 working set per step of the row-chunked quantizers
 
 
 def quantize_fp8(
@@ -39,13 +40,14 @@ def quantize_fp8(
         sizes = tuple(shard_sizes) or (n,)
         if sum(sizes) != n:
             raise LayoutError(f"shard_sizes {sizes} sum to {sum(sizes)}, but the weight has N={n} rows")
-        amax = torch.stack([part.abs().amax().float() for part in torch.split(w, list(sizes))])
+        amax = torch.stack([_amax(part) for part in torch.split(w, list(sizes))])
         scale = amax / E4M3_MAX  # (S,) float32
         row_scale = torch.repeat_interleave(scale, torch.tensor(sizes))[:, None]
         q = _static_quant(w, row_scale)
         return Fp8Weight(weight=q, scale=scale, strategy="tensor", shard_sizes=tuple(shard_sizes))
     if strategy == "channel":
-        scale = w.abs().amax(dim=1).float() / E4M3_MAX  # (N,) float32
+        amax = torch.maximum(-w.amin(dim=1).float(), w.amax(dim=1).float())  # (aminmax(dim) is slow)
+        scale = amax / E4M3_MAX  # (N,) float32
         return Fp8Weight(weight=_static_quant(w, scale[:, None]), scale=scale, strategy="channel")
     if strategy == "block":
         q, sf = _block_quant(w, block_size)
@@ -95,22 +97,49 @@ def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, out)
 
 
+def _amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| as a float32 0-dim tensor (one pass, no |w| temporary)."""
+    lo, hi = torch.aminmax(w)
+    return torch.maximum(-lo.float(), hi.float())
+
+
 def _static_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """cvt_e4m3(clamp(w * (1/scale), ±448)), computed in float32; a zero scale gives code 0."""
-    inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
-    return (w.float() * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """cvt_e4m3(clamp(w * (1/scale), ±448)) in float32, `scale` (N, 1) per row; a zero scale gives code 0.
+
+    Works through row chunks of about _CHUNK_ELEMS so the float32 temporaries stay small.
+    """
+    n, k = w.shape
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale).expand(n, 1)
+    out = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    rows = max(1, _CHUNK_ELEMS // max(k, 1))
+    buf = torch.empty(min(rows, n), k, dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        x = buf[: r1 - r0]
+        torch.mul(w[r0:r1], inv[r0:r1], out=x)  # float(w) * fp32 reciprocal
+        x.clamp_(-E4M3_MAX, E4M3_MAX)
+        out[r0:r1] = x
+    return out
 
 
 def _block_quant(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_block_cast_to_fp8, one row of blocks at a time (zero padding only inside the buffer)."""
     bn, bk = block_size
     if bn <= 0 or bk <= 0:
         raise LayoutError(f"FP8 block size must be positive, got {block_size}")
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(nb * bn, kb * bk, dtype=w.dtype)
-    padded[:n, :k] = w
-    view = padded.view(nb, bn, kb, bk)
-    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(BLOCK_AMAX_FLOOR)
-    sf = amax / E4M3_MAX  # (nb, 1, kb, 1) float32
-    q = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
-    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), sf.view(nb, kb)
+    out = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    sf = torch.empty(nb, kb, dtype=torch.float32)
+    buf = torch.zeros(bn, kb * bk, dtype=torch.float32)
+    for i in range(nb):
+        r0, r1 = i * bn, min(n, (i + 1) * bn)
+        if r1 - r0 < bn or k < kb * bk:
+            buf.zero_()
+        buf[: r1 - r0, :k] = w[r0:r1]
+        view = buf.view(bn, kb, bk)
+        amax = torch.maximum(view.amax(dim=(0, 2)), -view.amin(dim=(0, 2))).clamp_(BLOCK_AMAX_FLOOR)
+        sf[i] = amax / E4M3_MAX
+        view.mul_((1.0 / sf[i])[None, :, None])
+        out[r0:r1] = buf[: r1 - r0, :k]
+    return out, sf

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.base import IntWeight
-from kernels.codecs.bitpack import pack_cols, pack_rows, packed_capacity, unpack_cols, unpack_rows
+from kernels.codecs.bitpack import pack_cols, packed_capacity, unpack_cols
 from kernels.errors import LayoutError
 
 
@@ -42,7 +42,7 @@ def decode_gptq(
         raise LayoutError(
             f"GPTQ qzeros must be (G={g}, N*bits/32) int32 for N={n}, {bits}-bit; got {tuple(qzeros.shape)}"
         )
-    codes = unpack_rows(qweight, bits, k).T.contiguous()  # (N, K) uint8
+    codes = unpack_cols(qweight.T, bits, k)  # (N, K) uint8; transposing int32 words is the cheap side
     stored = unpack_cols(qzeros, bits, n)  # (G, N) uint8
     zeros = _stored_to_zeros(stored, bits, v2)
     if sym:
@@ -79,7 +79,7 @@ def encode_gptq(w: IntWeight, *, v2: bool) -> dict[str, torch.Tensor]:
             )
         zeros = zeros - 1
     return {
-        "qweight": pack_rows(w.codes.T, w.bits),  # (K * bits / 32, N) int32
+        "qweight": pack_cols(w.codes, w.bits).T.contiguous(),  # (K * bits / 32, N) int32
         "qzeros": pack_cols(zeros, w.bits),  # (G, N * bits / 32) int32
         "scales": w.scales,  # (G, N)
         "g_idx": w.group_index().to(torch.int32),  # (K,) int32

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, HTTPException, Request, status
-from fastapi.exceptions import RequestValidationError
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +40,21 @@ def invalid_field(field: str, detail: str) -> RequestValidationError:
     )
 
 
+def allowed_methods(app: FastAPI, path: str) -> set[str]:
+    """Methods the OpenAPI document declares for the templates matching `path`."""
+    table = getattr(app.state, "allow_table", None)
+    if table is None:
+        table = app.state.allow_table = [
+            (re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$"), ops)
+            for template, ops in app.openapi()["paths"].items()
+        ]
+    methods: set[str] = set()
+    for regex, ops in table:
+        if regex.match(path):
+            methods |= {m.upper() for m in ops if m != "parameters"}
+    return methods
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(IdempotencyConflict)
     async def _idempotency(_: Request, exc: IdempotencyConflict) -> JSONResponse:
@@ -50,12 +66,7 @@ def install_handlers(app: FastAPI) -> None:
             return await http_exception_handler(request, exc)
         # Starlette lists only the matched route's methods; a path served by several routes
         # (GET and POST /v1/conversions) must list all of them.
-        path = request.url.path
-        methods: set[str] = set()
-        for route in app.routes:
-            regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
-            if regex is not None and route_methods and regex.match(path):
-                methods |= set(route_methods)
+        methods = allowed_methods(app, request.url.path)
         headers = {"Allow": ", ".join(sorted(methods))} if methods else None
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
 

@@ -44,9 +44,7 @@ class ConversionCreate(BaseModel):
     @field_validator("targets")
     @classmethod
     def _unique(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError("targets must not repeat")
-        return v
+        return sorted(set(v))  # repeats are harmless: one artifact per distinct target
 
 
 class Job(BaseModel):

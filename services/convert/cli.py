@@ -1,9 +1,204 @@
-"""Command registration (filled in by the owning package)."""
+"""`kiln plan` and `kiln convert`: the conversion library on the command line.
+
+Failures print one line (`error: ...`) and exit non-zero; no traceback for KilnError.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from kernels.errors import KilnError
+
+err = Console(stderr=True)
+out = Console()
+
+TargetOpt = Annotated[
+    str, typer.Option("--target", "-t", help="sm75|sm80|sm86|sm89|sm90|cpu (comma-separated)")
+]
+TpOpt = Annotated[int, typer.Option("--tp", help="tensor-parallel size")]
+MethodOpt = Annotated[str, typer.Option("--method", help="auto (keep the checkpoint's quantization) | fp8")]
+SchemeOpt = Annotated[str, typer.Option("--fp8-scheme", help="online FP8 scales: tensor | channel | block")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
+
+
+def _fail(e: BaseException) -> None:
+    msg = " ".join(str(e).split())
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _plan_table(p: object) -> Table:
+    from services.convert.plan import Plan
+
+    assert isinstance(p, Plan)
+    title = (
+        f"{p.source} → {p.target.value}, tp={p.tp}, method={p.method}"
+        f"{' (' + p.fp8_scheme + ')' if p.method == 'fp8' else ''}, format={p.format}, act={p.act_dtype}"
+    )
+    table = Table(title=title, show_lines=False, caption="rejections by kernels of other schemes: see --json")
+    table.add_column("layer", no_wrap=True)
+    table.add_column("scheme", no_wrap=True)
+    table.add_column("N×K/rank", no_wrap=True)
+    table.add_column("kernel", no_wrap=True)
+    table.add_column("fallback / rejected")
+    for r in p.rows:
+        scheme = r.scheme.split()[0].rstrip("0123456789")
+        relevant = [(k, why) for k, why in r.rejections if scheme in getattr(_kernel(k), "schemes", {scheme})]
+        rejected = "; ".join(f"{k}: {why}" for k, why in relevant)
+        note = ("[yellow]fallback[/] " if r.fallback else "") + rejected
+        table.add_row(r.layer, r.scheme, f"{r.n}×{r.k}", r.kernel, note)
+    return table
+
+
+def _kernel(name: str) -> object:
+    from kernels.registry import get_kernel
+
+    try:
+        return get_kernel(name)
+    except KilnError:
+        return None
+
+
+def plan_cmd(
+    source: Annotated[str, typer.Argument(help="checkpoint directory or s3://bucket/prefix")],
+    target: TargetOpt = "sm80",
+    tp: TpOpt = 1,
+    method: MethodOpt = "auto",
+    fp8_scheme: SchemeOpt = "tensor",
+    as_json: JsonOpt = False,
+) -> None:
+    """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
+    from services.convert.api import open_and_detect, parse_targets
+    from services.convert.plan import build_plan
+
+    try:
+        from runtime.settings import Settings
+
+        settings = Settings()
+        ckpt, fmt = open_and_detect(source, settings)
+        plans = [
+            build_plan(ckpt, fmt, t, tp=tp, method=method, fp8_scheme=fp8_scheme,
+                       disabled_kernels=tuple(settings.disabled_kernels))
+            for t in parse_targets(target)
+        ]  # fmt: skip
+    except KilnError as e:
+        _fail(e)
+        return
+    if as_json:
+        payload = [p.to_json() for p in plans]
+        sys.stdout.write(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2) + "\n")
+        return
+    for p in plans:
+        out.print(_plan_table(p))
+        for note in p.notes:
+            out.print(f"[cyan]note:[/] {note}")
+        fallbacks = sum(r.fallback for r in p.rows)
+        if fallbacks:
+            out.print(f"[yellow]{fallbacks} layer(s) fall back to a slower kernel because of their shape[/]")
+
+
+def convert_cmd(
+    source: Annotated[str, typer.Argument(help="checkpoint directory or s3://bucket/prefix")],
+    target: TargetOpt = "sm80",
+    method: MethodOpt = "auto",
+    fp8_scheme: SchemeOpt = "tensor",
+    tp: TpOpt = 1,
+    out_url: Annotated[
+        str, typer.Option("--out", help="artifact store: directory or s3://bucket/prefix")
+    ] = "",
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint into one verified, kernel-ready artifact per target."""
+    from runtime.settings import Settings
+    from services.convert.api import ConversionRequest, convert
+    from services.convert.api import Progress as Step
+
+    settings = Settings()
+    req = ConversionRequest(
+        source=source, targets=[target], method=method, tp=tp, fp8_scheme=fp8_scheme,
+        out=out_url or settings.resolved_store_url,
+    )  # fmt: skip
+    bar = Progress(
+        TextColumn("[bold]{task.fields[stage]}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[msg]}"),
+        console=err,
+        disable=as_json,
+        transient=True,
+    )
+    task = bar.add_task("convert", total=None, stage="open", msg="")
+
+    def on_progress(p: Step) -> None:
+        stage = f"{p.stage} {p.done}/{p.total}"
+        bar.update(
+            task, total=p.bytes_total or None, completed=p.bytes_done, stage=stage, msg=p.message[-60:]
+        )
+
+    try:
+        with bar:
+            results = convert(req, progress=on_progress, settings=settings)
+    except KilnError as e:
+        _fail(e)
+        return
+    if as_json:
+        payload = [
+            {
+                "artifact_id": r.artifact_id,
+                "target": r.target,
+                "tp": r.tp,
+                "uri": r.uri,
+                "reused": r.reused,
+                "verification": r.manifest.verification.model_dump(),
+                "layers": {n: e.kernel for n, e in r.manifest.layers.items()},
+                "files": [f.model_dump() for f in r.manifest.files],
+            }
+            for r in results
+        ]
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        return
+    table = Table(title="Kiln artifacts")
+    for col in ("target", "tp", "artifact id", "kernels", "verified", "size", "where"):
+        table.add_column(col)
+    for r in results:
+        m = r.manifest
+        kernels: dict[str, int] = {}
+        for e in m.layers.values():
+            kernels[e.kernel] = kernels.get(e.kernel, 0) + 1
+        v = m.verification
+        size = sum(f.size for f in m.files)
+        table.add_row(
+            r.target,
+            str(r.tp),
+            r.artifact_id + (" (reused)" if r.reused else ""),
+            ", ".join(f"{k}×{n}" for k, n in sorted(kernels.items())),
+            f"{'ok' if v.ok else 'FAILED'} {v.layers_exact}/{v.layers_checked} exact, "
+            f"max rel {v.max_rel_err:.2g}",
+            f"{size / 1e6:.1f} MB",
+            r.uri,
+        )
+    out.print(table)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this package's commands to the `kiln` app."""
+    """Add `kiln plan` and `kiln convert`."""
+    app.command("plan")(plan_cmd)
+    app.command("convert")(convert_cmd)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from kernels.base import LinearKernel, LinearSpec, ShardSpec, Target
 from kernels.errors import NoKernelError, UnsupportedError
-from kernels.registry import choose_kernel
+from kernels.registry import candidates, choose_kernel
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
@@ -202,18 +202,39 @@ def rank_specs(
     return specs
 
 
+def _check_fp8_blocks(layout: LinearLayout, spec: LinearSpec, tp: int) -> None:
+    """vLLM's validate_fp8_block_shape: per-rank slices must hold whole FP8 blocks."""
+    if spec.fp8_strategy != "block" or spec.block_size is None or tp == 1:
+        return
+    bn, bk = spec.block_size
+    if spec.row_parallel and spec.k % bk:
+        raise UnsupportedError(
+            f"{layout.name}: {spec.k} input features per rank (tp={tp}) are not a multiple of the "
+            f"FP8 block {bk}"
+        )
+    sizes = [s.size for s in spec.shards] or [spec.n]
+    if not spec.row_parallel and any(size % bn for size in sizes):
+        raise UnsupportedError(
+            f"{layout.name}: per-rank output features {sizes} (tp={tp}) are not multiples of the FP8 block "
+            f"{bn}; use a smaller tp or a per-tensor / channel FP8 scheme"
+        )
+
+
 def _ideal(spec: LinearSpec) -> LinearSpec:
     ratio = spec.k_full // spec.k if spec.k else 1
     return dataclasses.replace(spec, n=_IDEAL_DIM, k=_IDEAL_DIM, k_full=_IDEAL_DIM * ratio, shards=())
 
 
 def choose(spec: LinearSpec, target: Target, disabled: tuple[str, ...]) -> tuple[LinearKernel, list, bool]:
+    """The kernel, its rejections, and whether a kernel ahead of it would have taken this scheme at a
+    kernel-friendly shape (i.e. the layer fell back because of its shape)."""
     choice = choose_kernel(spec, target, disabled)
+    order = [k.name for k in candidates(target)]
     try:
         preferred = choose_kernel(_ideal(spec), target, disabled).kernel.name
     except NoKernelError:
         preferred = choice.kernel.name
-    return choice.kernel, choice.rejected, preferred != choice.kernel.name
+    return choice.kernel, choice.rejected, order.index(preferred) < order.index(choice.kernel.name)
 
 
 def build_plan(
@@ -252,6 +273,7 @@ def build_plan(
         consumed.update(sources)
         has_bias = all(ckpt.has(f"{s.module}.bias") for s in layout.shards)
         specs = rank_specs(layout, tq, dims, tp, act_dtype, has_bias)
+        _check_fp8_blocks(layout, specs[0], tp)
         kernel, rejected, fallback = choose(specs[0], target, disabled_kernels)
         for spec in specs[1:]:
             ok, reason = kernel.can_implement(spec, target)

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -379,8 +379,7 @@ def delete_artifact(session: Session, artifact_id: str) -> bool:
     for job in session.scalars(select(Job).where(Job.status == "succeeded", Job.dedupe_key.is_not(None))):
         if artifact_id in (job.artifact_ids or []):
             job.dedupe_key = None
-    session.execute(delete(ArtifactFile).where(ArtifactFile.artifact_id == artifact_id))
-    session.delete(row)
+    session.delete(row)  # its files go with it (ORM cascade; ON DELETE CASCADE in SQL)
     return True
 
 

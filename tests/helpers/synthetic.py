@@ -173,33 +173,43 @@ def _ct(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, ignore: 
     }
 
 
-def _encode(fmt: str, module: str, n: int, k: int, o: dict[str, Any], gen: torch.Generator,
-            g_idx_cache: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
+def _encode(
+    fmt: str, module: str, n: int, k: int, o: dict[str, Any], gen: torch.Generator,
+    g_idx_cache: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:  # fmt: skip
     bits, gs, sym = o["bits"], o["group_size"], o["sym"]
     dense_dtype = _dtype(o["dtype"])
     if fmt in ("fp8", "ct-fp8"):
         w = (torch.randn(n, k, generator=gen) * 0.05).to(dense_dtype)
         q = quantize_fp8(w, o["fp8_strategy"], block_size=tuple(o["block"]))
+        truth[module] = q.dequantize()
         if fmt == "fp8":
             key = "weight_scale_inv" if q.strategy == "block" else "weight_scale"
             scale = q.scale.reshape(()) if q.strategy == "tensor" else q.scale
             return {"weight": q.weight, key: scale}
-        scale = {"tensor": q.scale.reshape(1), "channel": q.scale.reshape(n, 1), "block": q.scale}[q.strategy]
+        if q.strategy == "tensor":
+            scale = q.scale.reshape(1)
+        elif q.strategy == "channel":
+            scale = q.scale.reshape(n, 1)
+        else:
+            scale = q.scale
         return {"weight": q.weight, "weight_scale": scale}
     if fmt == "ct-int8":
         weight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int32).to(torch.int8)
         scale = (torch.rand(n, 1, generator=gen) * 0.01 + 0.001).to(dense_dtype)
+        truth[module] = weight.float() * scale.float()
         return {"weight": weight, "weight_scale": scale}
     g_idx = None
     if o["act_order"]:
         group = _input_group(module)
         if group not in g_idx_cache:
             g_idx_cache[group] = act_order_g_idx(k, gs, gen)
-        g_idx = g_idx_cache[group]
+        g_idx = g_idx_cache[group].clone()
     scale_dtype = torch.float16 if fmt in ("gptq", "awq") else dense_dtype
     w = random_int_weight(
         n, k, bits=bits, group_size=gs, sym=sym, scale_dtype=scale_dtype, g_idx=g_idx, gen=gen
     )
+    truth[module] = w.dequantize()
     if fmt == "gptq":
         if o["mislabel"]:
             return encode_gptq(w, v2=True)  # v2 bytes under a v1 label
@@ -230,12 +240,16 @@ def write_checkpoint(
     dynamic: dict[str, Any] | None = None,
     seed: int = 0,
     quant_config_file: str | None = None,
+    truth: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a synthetic checkpoint directory; returns `path`.
 
     `ignore` lists checkpoint module names left dense (in the format's own ignore list);
     `quant_config_file` moves the quantization config out of config.json into that file.
+    `truth`, when given, is filled with every linear module's exact weight ((N, K) float32, as the
+    writer generated it before packing) — the ground truth a converted artifact must reproduce.
     """
+    truth = {} if truth is None else truth
     if dtype is None:
         dtype = "float16" if fmt in ("gptq", "awq") else "bfloat16"
     opts = {"bits": bits, "group_size": group_size, "sym": sym, "act_order": act_order, "v2": v2,
@@ -260,12 +274,7 @@ def write_checkpoint(
                 dense_dtype
             )
         for module, (n, k) in dims.module_shapes(layer).items():
-            fused = (
-                module.replace("q_proj", "qkv_proj")
-                .replace("k_proj", "qkv_proj")
-                .replace("v_proj", "qkv_proj")
-            )
-            fused = fused.replace("gate_proj", "gate_up_proj").replace("up_proj", "gate_up_proj")
+            fused = _input_group(module).replace(".qkv", ".qkv_proj").replace(".gate_up", ".gate_up_proj")
             dense = (
                 fmt == "dense"
                 or module in opts["ignore"]
@@ -273,8 +282,9 @@ def write_checkpoint(
             )
             if dense:
                 out[f"{module}.weight"] = (torch.randn(n, k, generator=gen) * 0.05).to(dense_dtype)
+                truth[module] = out[f"{module}.weight"].float()
             else:
-                for suffix, t in _encode(fmt, module, n, k, opts, gen, g_idx_cache).items():
+                for suffix, t in _encode(fmt, module, n, k, opts, gen, g_idx_cache, truth).items():
                     out[f"{module}.{suffix}"] = t
     files[-1]["model.norm.weight"] = torch.ones(dims.hidden, dtype=dense_dtype)
     if not dims.tie_word_embeddings:

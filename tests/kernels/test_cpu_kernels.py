@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, Target
+from kernels.codecs.fp8 import quantize_fp8
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import (
     PACK_FORMATS,
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 BF16_GEMM_REL_ERR = 1e-2
 # Same with fp32 activations through an fp32 GEMM (dense on cpu, cpu_fp8 with fp32 storage).
 FP32_GEMM_REL_ERR = 1e-5
-# The int kernels round checkpoint scales to bf16 (exact for bf16 scales): |s_bf16 - s| <= 2^-8 |s| (unit roundoff).
+# The int kernels round checkpoint scales to bf16 (exact for bf16 scales): |s_bf16 - s| <= 2^-8 |s|.
 BF16_SCALE_REL_ERR = 2.0**-8
 
 MS = (1, 7, 16, 33)
@@ -181,6 +182,13 @@ def test_int4_act_order_with_uneven_groups_is_refused() -> None:
     w.g_idx = g_idx
     with pytest.raises(LayoutError, match="exactly 64"):
         CpuInt4Kernel().prepare(w, int_spec(w, act_order=True))
+
+
+def test_int4_prepare_rejects_out_of_range_codes() -> None:
+    w = int_weight(64, 128)
+    w.codes[3, 5] = 16
+    with pytest.raises(LayoutError, match="codes >= 16"):
+        CpuInt4Kernel().prepare(w, int_spec(w))
 
 
 def test_int4_handles_fp32_and_batched_activations() -> None:
@@ -390,6 +398,20 @@ def test_fp8_apply_matches_reference_and_dequantize_is_bit_exact(n: int, k: int,
         assert tensors["weight"].dtype == torch.bfloat16
         assert torch.equal(tensors["weight"].float(), w.weight.float())
     check_apply(kernel, tensors, spec, BF16_GEMM_REL_ERR)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_weights_from_the_codec_stay_lossless(strategy: str) -> None:
+    w = torch.randn(192, 576) * 0.05
+    w[7] = 0.0  # a zero row: scale 0 for channel strategy
+    q = quantize_fp8(w, strategy, shard_sizes=(64, 128) if strategy == "tensor" else ())  # type: ignore[arg-type]
+    spec = fp8_spec(q)
+    tensors = CpuFp8Kernel().prepare(q, spec)
+    assert torch.equal(CpuFp8Kernel().dequantize(tensors, spec), q.dequantize())
+    x = torch.randn(5, 576).to(torch.bfloat16)
+    y = CpuFp8Kernel().apply(x, tensors, spec)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, x.float() @ q.dequantize().T) < BF16_GEMM_REL_ERR
 
 
 def test_fp8_fp32_activations_store_fp32_and_keep_precision() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import triton_utils
-from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec
+from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
 
 # apply vs its reference twin (relative Frobenius error). The twin dequantizes to fp32 and multiplies
@@ -329,6 +329,34 @@ def test_marlin_closed_form_matches_repack(bits: int) -> None:
     assert torch.equal(single[:, pos], s[:1])
 
 
+@pytest.mark.parametrize("name", ["marlin_wna16", "gptq_wna16"])
+def test_act_order_row_parallel_keeps_all_groups(name: str) -> None:
+    """Row-parallel rank 1 of 2 with act-order: its 256 channels name groups of the full K=512, and
+    the scales of all 8 groups (g64) are kept on the rank (vLLM's marlin_repeat_scales_on_all_ranks)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, k_full, group = 128, 256, 512, 64
+    g_full = (torch.randperm(k_full, generator=gen) // group).to(torch.int32)
+    w = IntWeight(
+        codes=torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+        scales=(torch.rand(k_full // group, n, generator=gen) * 0.1 + 0.05).to(torch.float16),
+        bits=4,
+        group_size=group,
+        zeros=torch.randint(0, 16, (k_full // group, n), generator=gen, dtype=torch.uint8),
+        g_idx=g_full[k:],
+    )
+    case = IntCase(n, k, 4, group, symmetric=False, act_order=True)
+    spec = case.spec(torch.float16, k_full=k_full, row_parallel=True)
+    kern = kernel(name)
+    assert kern.can_implement(spec, Target.SM90) == (True, "")
+    tensors = kern.prepare(w, spec)
+    assert tensors["scales"].shape == (k_full // group, n)
+    assert torch.equal(kern.dequantize(tensors, spec), w.dequantize())
+    x = torch.randn(7, k, generator=gen).to(torch.float16)
+    assert (
+        rel_err(kern.apply(x, tensors, spec), kern.reference(x, tensors, spec)) < GEMM_REL_TOL[torch.float16]
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_w8a8_layout(dtype: torch.dtype) -> None:
     k = kernel("fp8_w8a8")
@@ -461,3 +489,26 @@ def test_registry_picks_these_kernels() -> None:
     fp8 = FP8_W8A8_CASES[1].spec(torch.bfloat16)
     assert choose_kernel(fp8, Target.SM90).kernel.name == "fp8_w8a8"
     assert choose_kernel(fp8, Target.SM80).kernel.name == "fp8_marlin"
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_targets() -> None:
+    """Ahead-of-time compile (no GPU needed) for sm80/sm89/sm90 with the default launch configs,
+    shared memory within each arch's limit: catches what the interpreter cannot (types, layouts)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_check.py"), "--compile-only", "--quick"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "compile check: 0 failure(s)" in proc.stdout

@@ -45,7 +45,11 @@ BOS_ID, EOS_ID = 256, 258
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -102,6 +106,10 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
     elif arch == "qwen2":
         common["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
         model_type = "qwen2"
+    elif arch == "mistral":
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        common["sliding_window"] = 256
+        model_type = "mistral"
     elif arch == "smollm2":  # Llama with tied embeddings
         common["rope_parameters"] = {"rope_type": "default", "rope_theta": 100000.0}
         common["tie_word_embeddings"] = True
@@ -124,10 +132,28 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> PreTr
     return model.eval()
 
 
-def _spec(name: str, n: int, k: int, k_full: int, *, row_parallel: bool, bias: bool,
-          shards: tuple[ShardSpec, ...] = ()) -> LinearSpec:
-    return LinearSpec(name=name, scheme="dense", n=n, k=k, k_full=k_full, bits=32, row_parallel=row_parallel,
-                      has_bias=bias, act_dtype="float32", shards=shards)
+def _spec(
+    name: str,
+    n: int,
+    k: int,
+    k_full: int,
+    *,
+    row_parallel: bool,
+    bias: bool,
+    shards: tuple[ShardSpec, ...] = (),
+) -> LinearSpec:
+    return LinearSpec(
+        name=name,
+        scheme="dense",
+        n=n,
+        k=k,
+        k_full=k_full,
+        bits=32,
+        row_parallel=row_parallel,
+        has_bias=bias,
+        act_dtype="float32",
+        shards=shards,
+    )
 
 
 def write_artifact(
@@ -148,15 +174,18 @@ def write_artifact(
     layers: dict[str, LayerEntry] = {}
     rank_tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
 
-    def add_layer(name: str, per_rank: list[tuple[torch.Tensor, torch.Tensor | None]], spec: LinearSpec) -> None:
+    def add_layer(
+        name: str, per_rank: list[tuple[torch.Tensor, torch.Tensor | None]], spec: LinearSpec
+    ) -> None:
         tensors_names: list[str] = []
         for r, (w, b) in enumerate(per_rank):
             prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=b), spec)
             tensors_names = sorted(prepared)
             for suffix, t in prepared.items():
                 rank_tensors[r][f"{name}.{suffix}"] = t.contiguous().clone()
-        layers[name] = LayerEntry(kernel=dense.name, layout_version=dense.layout_version, spec=spec.to_json(),
-                                  tensors=tensors_names)
+        layers[name] = LayerEntry(
+            kernel=dense.name, layout_version=dense.layout_version, spec=spec.to_json(), tensors=tensors_names
+        )
 
     def rows(t: torch.Tensor, r: int, size: int) -> torch.Tensor:
         return t[r * size : (r + 1) * size]
@@ -165,8 +194,11 @@ def write_artifact(
         p = f"model.layers.{i}"
         q, k, v = (sd[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")
         has_qkv_bias = f"{p}.self_attn.q_proj.bias" in sd
-        qkv_shards = (ShardSpec(f"{p}.self_attn.q_proj", hq * hd), ShardSpec(f"{p}.self_attn.k_proj", hkv * hd),
-                      ShardSpec(f"{p}.self_attn.v_proj", hkv * hd))
+        qkv_shards = (
+            ShardSpec(f"{p}.self_attn.q_proj", hq * hd),
+            ShardSpec(f"{p}.self_attn.k_proj", hkv * hd),
+            ShardSpec(f"{p}.self_attn.v_proj", hkv * hd),
+        )
         per_rank = []
         for r in range(tp):
             w = torch.cat([rows(q, r, hq * hd), rows(k, r, hkv * hd), rows(v, r, hkv * hd)])
@@ -175,32 +207,76 @@ def write_artifact(
                 qb, kb, vb = (sd[f"{p}.self_attn.{x}_proj.bias"] for x in "qkv")
                 b = torch.cat([rows(qb, r, hq * hd), rows(kb, r, hkv * hd), rows(vb, r, hkv * hd)])
             per_rank.append((w, b))
-        add_layer(f"{p}.self_attn.qkv_proj", per_rank,
-                  _spec(f"{p}.self_attn.qkv_proj", (hq + 2 * hkv) * hd, cfg.hidden_size, cfg.hidden_size,
-                        row_parallel=False, bias=has_qkv_bias, shards=qkv_shards))
+        add_layer(
+            f"{p}.self_attn.qkv_proj",
+            per_rank,
+            _spec(
+                f"{p}.self_attn.qkv_proj",
+                (hq + 2 * hkv) * hd,
+                cfg.hidden_size,
+                cfg.hidden_size,
+                row_parallel=False,
+                bias=has_qkv_bias,
+                shards=qkv_shards,
+            ),
+        )
         o = sd[f"{p}.self_attn.o_proj.weight"]
-        add_layer(f"{p}.self_attn.o_proj", [(o[:, r * hq * hd : (r + 1) * hq * hd], None) for r in range(tp)],
-                  _spec(f"{p}.self_attn.o_proj", cfg.hidden_size, hq * hd, cfg.num_attention_heads * hd,
-                        row_parallel=True, bias=False))
+        add_layer(
+            f"{p}.self_attn.o_proj",
+            [(o[:, r * hq * hd : (r + 1) * hq * hd], None) for r in range(tp)],
+            _spec(
+                f"{p}.self_attn.o_proj",
+                cfg.hidden_size,
+                hq * hd,
+                cfg.num_attention_heads * hd,
+                row_parallel=True,
+                bias=False,
+            ),
+        )
         gate, up = sd[f"{p}.mlp.gate_proj.weight"], sd[f"{p}.mlp.up_proj.weight"]
-        add_layer(f"{p}.mlp.gate_up_proj",
-                  [(torch.cat([rows(gate, r, inter), rows(up, r, inter)]), None) for r in range(tp)],
-                  _spec(f"{p}.mlp.gate_up_proj", 2 * inter, cfg.hidden_size, cfg.hidden_size, row_parallel=False,
-                        bias=False, shards=(ShardSpec(f"{p}.mlp.gate_proj", inter),
-                                            ShardSpec(f"{p}.mlp.up_proj", inter))))
+        add_layer(
+            f"{p}.mlp.gate_up_proj",
+            [(torch.cat([rows(gate, r, inter), rows(up, r, inter)]), None) for r in range(tp)],
+            _spec(
+                f"{p}.mlp.gate_up_proj",
+                2 * inter,
+                cfg.hidden_size,
+                cfg.hidden_size,
+                row_parallel=False,
+                bias=False,
+                shards=(ShardSpec(f"{p}.mlp.gate_proj", inter), ShardSpec(f"{p}.mlp.up_proj", inter)),
+            ),
+        )
         down = sd[f"{p}.mlp.down_proj.weight"]
-        add_layer(f"{p}.mlp.down_proj", [(down[:, r * inter : (r + 1) * inter], None) for r in range(tp)],
-                  _spec(f"{p}.mlp.down_proj", cfg.hidden_size, inter, cfg.intermediate_size, row_parallel=True,
-                        bias=False))
+        add_layer(
+            f"{p}.mlp.down_proj",
+            [(down[:, r * inter : (r + 1) * inter], None) for r in range(tp)],
+            _spec(
+                f"{p}.mlp.down_proj",
+                cfg.hidden_size,
+                inter,
+                cfg.intermediate_size,
+                row_parallel=True,
+                bias=False,
+            ),
+        )
 
     other = ["model.embed_tokens.weight", "model.norm.weight"]
-    other += [f"model.layers.{i}.{n}.weight" for i in range(cfg.num_hidden_layers)
-              for n in ("input_layernorm", "post_attention_layernorm")]
+    other += [
+        f"model.layers.{i}.{n}.weight"
+        for i in range(cfg.num_hidden_layers)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
     tied = bool(cfg.tie_word_embeddings)
     if lm_head_layer:
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        add_layer("lm_head", [(head, None)] * tp,
-                  _spec("lm_head", cfg.vocab_size, cfg.hidden_size, cfg.hidden_size, row_parallel=False, bias=False))
+        add_layer(
+            "lm_head",
+            [(head, None)] * tp,
+            _spec(
+                "lm_head", cfg.vocab_size, cfg.hidden_size, cfg.hidden_size, row_parallel=False, bias=False
+            ),
+        )
     elif not tied:
         other.append("lm_head.weight")
     for r in range(tp):
@@ -210,8 +286,10 @@ def write_artifact(
     hf_config = cfg.to_dict()
     hf_config["architectures"] = [type(model).__name__]
     weights_digest = hashlib.sha256(sd["model.embed_tokens.weight"].numpy().tobytes()).hexdigest()
-    src_files = {"config.json": hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest(),
-                 "model.safetensors": weights_digest}
+    src_files = {
+        "config.json": hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest(),
+        "model.safetensors": weights_digest,
+    }
     options = {"lm_head_layer": lm_head_layer}
     aid = artifact_id(source_digest(src_files), target, tp, "auto", {"dense": dense.layout_version}, options)
     out = out_root / aid
@@ -224,7 +302,9 @@ def write_artifact(
     for r in range(tp):
         name = f"rank{r}.safetensors"
         save_file(rank_tensors[r], str(out / name))
-        files.append(FileEntry(name=name, size=(out / name).stat().st_size, sha256=sha256_file(out / name), rank=r))
+        files.append(
+            FileEntry(name=name, size=(out / name).stat().st_size, sha256=sha256_file(out / name), rank=r)
+        )
     for path in sorted(out.iterdir()):
         if path.suffix != ".safetensors":
             files.append(FileEntry(name=path.name, size=path.stat().st_size, sha256=sha256_file(path)))
@@ -232,7 +312,9 @@ def write_artifact(
         artifact_id=aid,
         kiln_version="test",
         created_at=dt.datetime.now(dt.UTC).isoformat(),
-        source=SourceInfo(uri="memory://tiny", format="dense", digest=source_digest(src_files), files=src_files),
+        source=SourceInfo(
+            uri="memory://tiny", format="dense", digest=source_digest(src_files), files=src_files
+        ),
         target=target,
         tp=tp,
         method="auto",

@@ -32,3 +32,9 @@ def qwen2_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrained
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
     """SmolLM2-like Llama with tied embeddings and no lm_head tensor."""
     return _build(tmp_path_factory, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def mistral_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
+    """Mistral (sliding_window 256, wider than the tests' contexts)."""
+    return _build(tmp_path_factory, "mistral")

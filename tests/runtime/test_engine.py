@@ -51,9 +51,10 @@ def test_requests_join_between_steps_and_respect_max_num_seqs(engine: Engine) ->
     engine.step()  # a decodes alone
     engine.add_request("b", [8, 9], greedy(3))
     engine.add_request("c", [10, 11, 12, 13], greedy(4))
-    engine.step()  # b joins (prefill) while a decodes; c waits: max_num_seqs=2
+    first = engine.step()  # b joins (prefill) while a decodes; c waits: max_num_seqs=2
     assert engine.num_running == 2 and engine.num_waiting == 1
     outs = _drain(engine)
+    outs["b"] = [o for o in first if o.request_id == "b"] + outs["b"]
     sizes = list(engine.stats.decode_batch_sizes)
     assert max(sizes) == 2  # a and b decoded in one forward
     assert engine.num_running == engine.num_waiting == 0
@@ -64,7 +65,7 @@ def test_requests_join_between_steps_and_respect_max_num_seqs(engine: Engine) ->
 
 
 def test_context_limits_are_clear_errors(engine: Engine) -> None:
-    with pytest.raises(ContextLengthError, match="maximum context length is 96 tokens.*100 in the prompt"):
+    with pytest.raises(ContextLengthError, match=r"maximum context length is 96 tokens.*100 in the prompt"):
         engine.add_request("long", list(range(100)), greedy(1))
     with pytest.raises(ContextLengthError, match="90 in the prompt, 10 in the completion"):
         engine.add_request("long", list(range(90)), greedy(10))
@@ -118,9 +119,43 @@ def test_async_engine_batches_concurrent_streams(engine: Engine) -> None:
         return results
 
     try:
-        (b_tokens, _), (c_tokens, c_text) = asyncio.run(main())
+        (b_tokens, _), (c_tokens, _) = asyncio.run(main())
     finally:
         async_engine.shutdown()
     assert b_tokens == expected["b"] and c_tokens == expected["c"]
     assert max(engine.stats.decode_batch_sizes) == 2
     assert engine.num_running == 0 and not engine.has_unfinished()
+
+
+def test_chat_template_formats_with_the_tokenizer_template(engine: Engine) -> None:
+    from runtime.chat import apply_chat_template
+
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_kiln_generate_prints_completion_and_speed(llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from runtime.cli import generate_command
+
+    app = typer.Typer()
+    app.command()(generate_command)
+    result = CliRunner().invoke(
+        app,
+        [
+            str(llama_artifact[1]),
+            "--prompt",
+            "hello",
+            "--chat",
+            "--max-tokens",
+            "5",
+            "--kv-cache-dtype",
+            "fp8",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "tok/s" in result.output and "load" in result.output

@@ -29,8 +29,14 @@ def _rss_bytes() -> int:
 @pytest.fixture(scope="module")
 def medium_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """≈60 MB of fp32 weights: large enough that a copy would show in RSS."""
-    model = tiny_hf_model("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=4)
+    model = tiny_hf_model(
+        "llama",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     return write_artifact(model, tmp_path_factory.mktemp("medium"))
 
 
@@ -54,12 +60,16 @@ def test_tensors_point_into_the_mapping_and_rss_does_not_grow(medium_artifact: P
     assert lo <= lm.model.lm_head_weight.data_ptr() < hi
 
 
-def test_refuses_gpu_target_without_cuda(tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+def test_refuses_gpu_target_without_cuda(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     path = write_artifact(llama_artifact[0], tmp_path, target="sm90")
-    with pytest.raises(TargetMismatchError, match="built for sm90; this machine has no CUDA device — convert with "
-                                                  "--target cpu"):
+    with pytest.raises(
+        TargetMismatchError,
+        match="built for sm90; this machine has no CUDA device — convert with --target cpu",
+    ):
         load_model(path)
 
 
@@ -73,12 +83,14 @@ def test_refuses_unknown_schema_version(tmp_path: Path, llama_artifact: tuple[Pr
         load_model(path)
 
 
-def test_refuses_truncated_rank_file_and_wrong_tp(tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]) -> None:
+def test_refuses_truncated_rank_file_and_wrong_tp(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
     path = tmp_path / "a"
     shutil.copytree(llama_artifact[1], path)
     with pytest.raises(LoadError, match="sharded for tp=1"):
         load_model(path, rank=0, world_size=2)
     rank_file = path / "rank0.safetensors"
     rank_file.write_bytes(rank_file.read_bytes()[:-100])
-    with pytest.raises(LoadError, match="rank0.safetensors has .* bytes, the manifest says .*truncated"):
+    with pytest.raises(LoadError, match=r"rank0\.safetensors has .* bytes, the manifest says .*truncated"):
         load_model(path)

@@ -22,8 +22,8 @@ LOGITS_ATOL = 2e-4
 # Batched decode runs the same math with a different M in every GEMM.
 BATCHED_VS_SEQUENTIAL_ATOL = 2e-4
 # FP8 (e4m3, per-layer scales) KV cache: perplexity may rise by at most this fraction (measured on
-# this random tiny model, which is more sensitive than a trained one: +3.97%).
-FP8_PPL_MAX_INCREASE = 0.08
+# this random tiny model: +1.1%; bench/kv_cache_fp8.py measures SmolLM2).
+FP8_PPL_MAX_INCREASE = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +31,24 @@ log = logging.getLogger(__name__)
 def _cache(lm: LoadedModel, slots: int = 4, max_len: int = 256, kv: str = "auto") -> KVCache:
     cfg = lm.config
     lm.model.setup(lm.dtype, max_len, "cpu")
-    return KVCache(num_layers=cfg.num_layers, num_slots=slots, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
-                   head_dim=cfg.head_dim, dtype=lm.dtype, kv_cache_dtype=kv)  # type: ignore[arg-type]
+    return KVCache(
+        num_layers=cfg.num_layers,
+        num_slots=slots,
+        max_len=max_len,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=lm.dtype,
+        kv_cache_dtype=kv,
+    )  # type: ignore[arg-type]
 
 
 def _prompt(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("fixture", ["llama_artifact", "qwen2_artifact", "smollm2_artifact"])
+@pytest.mark.parametrize(
+    "fixture", ["llama_artifact", "qwen2_artifact", "smollm2_artifact", "mistral_artifact"]
+)
 @torch.inference_mode()
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     hf, path = request.getfixturevalue(fixture)
@@ -57,14 +66,18 @@ def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest)
 
 
 @torch.inference_mode()
-def test_explicit_lm_head_layer_matches_tied(tmp_path: Path, smollm2_artifact: tuple[PreTrainedModel, Path]) -> None:
+def test_explicit_lm_head_layer_matches_tied(
+    tmp_path: Path, smollm2_artifact: tuple[PreTrainedModel, Path]
+) -> None:
     hf, _ = smollm2_artifact
     path = write_artifact(hf, tmp_path, lm_head_layer=True)
     lm = load_model(path)
     assert lm.model.lm_head is not None and lm.model.lm_head.kernel is not None
     cache = _cache(lm)
     ids = _prompt(40)
-    assert (lm.model.prefill(ids, 0, cache, all_logits=True) - hf(ids[None]).logits[0]).abs().max() < LOGITS_ATOL
+    assert (
+        lm.model.prefill(ids, 0, cache, all_logits=True) - hf(ids[None]).logits[0]
+    ).abs().max() < LOGITS_ATOL
 
 
 def test_llama3_rope_scaling_is_applied() -> None:
@@ -128,16 +141,32 @@ def test_fp8_kv_cache_close_to_auto(llama_artifact: tuple[PreTrainedModel, Path]
     prompt = _prompt(16).tolist()
     with torch.inference_mode():  # a text the model finds likely: its own sampled continuation
         torch.manual_seed(0)
-        text = hf.generate(torch.tensor([prompt]), max_new_tokens=96, min_new_tokens=96, do_sample=True)[0].tolist()
+        text = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=True)[
+            0
+        ].tolist()
     auto = _perplexity(load_model(path), "auto", text, len(prompt))
     fp8_lm = load_model(path, kv_cache_dtype="fp8")
     fp8 = _perplexity(fp8_lm, "fp8", text, len(prompt))
-    log.info("perplexity over %d tokens: auto %.4f, fp8 KV %.4f (%+.2f%%)", len(text) - len(prompt), auto, fp8,
-             100 * (fp8 / auto - 1))
+    log.info(
+        "perplexity over %d tokens: auto %.4f, fp8 KV %.4f (%+.2f%%)",
+        len(text) - len(prompt),
+        auto,
+        fp8,
+        100 * (fp8 / auto - 1),
+    )
     assert fp8 / auto - 1 < FP8_PPL_MAX_INCREASE
 
     cfg = fp8_lm.config
-    sizes = {kv: KVCache(num_layers=cfg.num_layers, num_slots=2, max_len=64, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, dtype=torch.float32, kv_cache_dtype=kv).nbytes  # type: ignore[arg-type]
-             for kv in ("auto", "fp8")}
+    sizes = {
+        kv: KVCache(
+            num_layers=cfg.num_layers,
+            num_slots=2,
+            max_len=64,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=torch.float32,
+            kv_cache_dtype=kv,
+        ).nbytes  # type: ignore[arg-type]
+        for kv in ("auto", "fp8")
+    }
     assert sizes["fp8"] * 4 == sizes["auto"]  # a quarter of fp32 (half of bf16)

@@ -60,8 +60,14 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(max_tokens=0), SamplingParams(temperature=-1), SamplingParams(top_p=0.0),
-     SamplingParams(logprobs=21), SamplingParams(min_tokens=5, max_tokens=2), SamplingParams(stop=[""])],
+    [
+        SamplingParams(max_tokens=0),
+        SamplingParams(temperature=-1),
+        SamplingParams(top_p=0.0),
+        SamplingParams(logprobs=21),
+        SamplingParams(min_tokens=5, max_tokens=2),
+        SamplingParams(stop=[""]),
+    ],
 )
 def test_invalid_params_are_refused(params: SamplingParams) -> None:
     with pytest.raises(InvalidRequestError):
@@ -91,11 +97,15 @@ def _run(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) ->
 def test_stop_strings_are_trimmed_and_never_streamed(llama_artifact: tuple[PreTrainedModel, Path]) -> None:
     engine = Engine(load_model(llama_artifact[1]), max_num_seqs=2, max_model_len=128)
     prompt = list(range(60, 80))
-    free = "".join(o.text_delta for o in _run(engine, "free", prompt, SamplingParams(max_tokens=24, temperature=0,
-                                                                                      ignore_eos=True)))
+    free = "".join(
+        o.text_delta
+        for o in _run(engine, "free", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    )
     assert len(free) >= 8
     stop = free[5:8]
-    outs = _run(engine, "stopped", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    outs = _run(
+        engine, "stopped", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )
     text = "".join(o.text_delta for o in outs)
     assert text == free[: free.index(stop)]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"

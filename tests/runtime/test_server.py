@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,6 +360,80 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Runn
     while server.engine.num_running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.engine.num_running == 0
+    after = _metrics(client)
+    aborted = (("finished_reason", "abort"),)
+    assert (
+        after.get(("vllm:request_success_total", aborted), 0)
+        - before.get(("vllm:request_success_total", aborted), 0)
+        == 1
+    )
+    assert (
+        after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
+        < max_tokens
+    )
+
+
+def test_streaming_completions_with_several_prompts_and_echo(
+    client: httpx.Client, server: RunningServer
+) -> None:
+    prompts = ["first prompt", "the second one"]
+    req = {
+        "model": MODEL_NAME,
+        "prompt": prompts,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "echo": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    texts = {0: "", 1: ""}
+    finishes: dict[int, str] = {}
+    for e in events[:-2]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert finishes == {0: "length", 1: "length"}
+    whole = client.post("/v1/completions", json={**req, "stream": False, "stream_options": None}).json()
+    for i, prompt in enumerate(prompts):
+        assert texts[i].startswith(prompt)
+        assert texts[i] == whole["choices"][i]["text"]
+    prompt_tokens = sum(len(server.tokenizer(p)["input_ids"]) for p in prompts)
+    assert usage == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 10,
+        "total_tokens": prompt_tokens + 10,
+    }
+
+
+def test_non_streaming_client_disconnect_aborts_the_request(
+    client: httpx.Client, server: RunningServer
+) -> None:
+    before = _metrics(client)
+    max_tokens = MAX_MODEL_LEN - 32
+    body = json.dumps(
+        {"model": MODEL_NAME, "prompt": "go", "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection(
+        (host, int(port))
+    ) as sock:  # a raw client, so the test decides when it leaves
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        deadline = time.monotonic() + 10
+        while not server.engine.num_running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert server.engine.num_running == 1
+    deadline = time.monotonic() + 10
+    while server.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
     after = _metrics(client)
     aborted = (("finished_reason", "abort"),)
     assert (

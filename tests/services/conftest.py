@@ -169,9 +169,9 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             children = self.child_pids()
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGQUIT)  # cold shutdown: the tests are done with it
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)

@@ -1,0 +1,443 @@
+"""GPU kernel check: correctness against the torch twins and speed against cuBLAS bf16, on CUDA.
+
+    python bench/gpu_check.py                 # needs a CUDA GPU: check + time every kernel, save JSON
+    python bench/gpu_check.py --compile-only  # no GPU needed: compile every kernel for sm80/sm90
+                                              # (and sm89 for fp8) with the default launch configs,
+                                              # and check shared memory against each arch's limit
+
+Timing: triton.testing.do_bench (median ms) of each kernel's `apply` (activation quantization and
+act-order permutation included) against `x @ w.T` with a dense bf16 weight (cuBLAS) of the same
+shape in the same run; ratio = t_bf16 / t_kernel (> 1: faster than bf16). Shapes N x K: 4096 x 4096,
+4096 x 14336 and 14336 x 4096; M in {1, 16, 64, 256}. Error: relative Frobenius error of the kernel
+against its torch twin (dequantized fp32 weight, fp32 matmul; fp8_w8a8's twin also quantizes the
+activations per token). Results: bench/results/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+if "--compile-only" in sys.argv:  # compile for real targets: the interpreter must stay off
+    os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels.base import Fp8Weight, IntWeight, LinearSpec  # noqa: E402
+from kernels.codecs.fp8 import quantize_fp8  # noqa: E402
+from kernels.registry import get_kernel  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
+SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (N, K)
+MS = (1, 16, 64, 256)
+W4A16_GOAL_AT_M1 = 2.5  # target speed-up of marlin_wna16 W4A16 over bf16 at M=1
+# apply vs twin, relative Frobenius error (bf16 output rounding + weights rounded to bf16 before the dot)
+REL_TOL = 1.5e-2
+SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in shared memory per block, bytes
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    kernel: str
+    scheme: str
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False
+    fp8_strategy: str | None = None
+    block_size: tuple[int, int] | None = None
+    backend: str = "triton"  # fp8_w8a8 only: "triton" or "scaled_mm"
+
+    def spec(self, n: int, k: int) -> LinearSpec:
+        return LinearSpec(
+            name=self.label,
+            scheme=self.scheme,  # type: ignore[arg-type]
+            n=n,
+            k=k,
+            bits=self.bits if self.scheme == "int" else 8,
+            group_size=self.group_size if self.scheme == "int" else -1,
+            symmetric=self.symmetric,
+            act_order=self.act_order,
+            fp8_strategy=self.fp8_strategy,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            act_dtype="bfloat16",
+        )
+
+
+VARIANTS = (
+    Variant("marlin W4A16 g128", "marlin_wna16", "int"),
+    Variant("marlin W4A16 asym g128 act-order", "marlin_wna16", "int", symmetric=False, act_order=True),
+    Variant("marlin W8A16 channel", "marlin_wna16", "int", bits=8, group_size=-1),
+    Variant("gptq W4A16 g128", "gptq_wna16", "int"),
+    Variant("gptq W4A16 asym g128", "gptq_wna16", "int", symmetric=False),
+    Variant("fp8_w8a8 channel (triton)", "fp8_w8a8", "fp8", fp8_strategy="channel"),
+    Variant("fp8_w8a8 channel (_scaled_mm)", "fp8_w8a8", "fp8", fp8_strategy="channel", backend="scaled_mm"),
+    Variant("fp8_marlin channel", "fp8_marlin", "fp8", fp8_strategy="channel"),
+    Variant("fp8_marlin block 128", "fp8_marlin", "fp8", fp8_strategy="block", block_size=(128, 128)),
+)
+
+
+def make_weight(v: Variant, n: int, k: int, dense: torch.Tensor) -> IntWeight | Fp8Weight:
+    """Quantize a dense (N, K) weight into the canonical form the variant's kernel prepares."""
+    if v.scheme == "fp8":
+        return quantize_fp8(dense, v.fp8_strategy, block_size=v.block_size or (128, 128))  # type: ignore[arg-type]
+    g = k if v.group_size == -1 else v.group_size
+    groups = k // g
+    # act-order: channel c belongs to group g_idx[c]; quantize each group's (scattered) channels
+    g_idx = (torch.randperm(k) // g).to(torch.int32) if v.act_order else None
+    order = torch.argsort(g_idx.long(), stable=True) if g_idx is not None else torch.arange(k)
+    wg = dense[:, order].reshape(n, groups, g)
+    qmax = (1 << v.bits) - 1
+    if v.symmetric:
+        scales = wg.abs().amax(-1).clamp(min=1e-8) / (qmax // 2 + 0.5)
+        zeros = None
+        codes = torch.clamp(torch.round(wg / scales[..., None]) + (1 << (v.bits - 1)), 0, qmax)
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scales = (hi - lo).clamp(min=1e-5) / qmax
+        zp = torch.clamp(torch.round(-lo / scales), 0, qmax)
+        zeros = zp.T.to(torch.uint8).contiguous()
+        codes = torch.clamp(torch.round(wg / scales[..., None]) + zp[..., None], 0, qmax)
+    codes_orig = torch.empty(n, k, dtype=torch.uint8)
+    codes_orig[:, order] = codes.reshape(n, k).to(torch.uint8)
+    return IntWeight(
+        codes=codes_orig,
+        scales=scales.T.contiguous().to(torch.bfloat16),
+        bits=v.bits,
+        group_size=v.group_size,
+        zeros=zeros,
+        g_idx=g_idx,
+    )
+
+
+def bench(fn: Any, *args: Any) -> float:
+    """Median milliseconds of fn(*args) (triton.testing.do_bench: CUDA events, L2 flushed per rep)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(lambda: fn(*args), return_mode="median"))
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    from kernels.fp8_w8a8 import quantize_per_token_reference, scaled_mm_gemm
+
+    dev = torch.device("cuda")
+    cap = torch.cuda.get_device_capability()
+    target_cc = cap[0] * 10 + cap[1]
+    print(f"device: {torch.cuda.get_device_name()} (sm{target_cc}), torch {torch.__version__}", flush=True)
+    torch.manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    ms_list = args.m or MS
+    for n, k in SHAPES:
+        dense = torch.randn(n, k) * 0.02
+        w_bf16 = dense.to(dev, torch.bfloat16)
+        xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in ms_list}
+        base = {m: bench(torch.matmul, xs[m], w_bf16.T) for m in ms_list}
+        for m in ms_list:
+            rows.append(
+                {
+                    "kernel": "torch bf16 (cuBLAS)",
+                    "M": m,
+                    "N": n,
+                    "K": k,
+                    "ms": base[m],
+                    "ratio": 1.0,
+                    "rel_err": 0.0,
+                }
+            )
+        for v in VARIANTS:
+            if v.fp8_strategy and v.kernel == "fp8_w8a8" and target_cc < 89:
+                continue
+            kern = get_kernel(v.kernel)
+            spec = v.spec(n, k)
+            t0 = time.perf_counter()
+            tensors_cpu = kern.prepare(make_weight(v, n, k, dense), spec)
+            prep_s = time.perf_counter() - t0
+            tensors = {name: t.to(dev) for name, t in tensors_cpu.items()}
+            w_ref = kern.dequantize(tensors_cpu, spec).to(dev)  # (N, K) fp32
+            if v.backend == "scaled_mm":
+                fn = scaled_mm_gemm
+            else:
+                fn = kern.apply
+            for m in ms_list:
+                x = xs[m]
+                if v.kernel == "fp8_w8a8":
+                    q, s = quantize_per_token_reference(x)
+                    ref = (q.float() * s[:, None]) @ w_ref.T
+                else:
+                    ref = x.float() @ w_ref.T
+                try:
+                    y = fn(x, tensors, spec)
+                    torch.cuda.synchronize()
+                    err = rel_err(y, ref)
+                    t = bench(fn, x, tensors, spec)
+                except Exception as exc:  # report every failing kernel, keep measuring the others
+                    failures.append(f"{v.label} M={m} {n}x{k}: {type(exc).__name__}: {exc}")
+                    continue
+                if not err < REL_TOL:
+                    failures.append(f"{v.label} M={m} {n}x{k}: rel err {err:.3e} >= {REL_TOL}")
+                rows.append(
+                    {
+                        "kernel": v.label,
+                        "M": m,
+                        "N": n,
+                        "K": k,
+                        "ms": t,
+                        "ratio": base[m] / t,
+                        "rel_err": err,
+                        "prepare_s": prep_s,
+                    }
+                )
+                print(
+                    f"{v.label:34s} M={m:<4d} {n:>5d}x{k:<5d} {t:8.4f} ms  x{base[m] / t:5.2f}  "
+                    f"err {err:.2e}",
+                    flush=True,
+                )
+    print_table(rows)
+    goal = [r for r in rows if r["kernel"] == "marlin W4A16 g128" and r["M"] == 1]
+    if goal:
+        worst = min(r["ratio"] for r in goal)
+        verdict = "met" if worst >= W4A16_GOAL_AT_M1 else "NOT met"
+        print(f"goal W4A16 >= {W4A16_GOAL_AT_M1}x bf16 at M=1: worst {worst:.2f}x over shapes -> {verdict}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "capability": target_cc,
+                "rows": rows,
+                "failures": failures,
+            },
+            indent=1,
+        )
+    )
+    print(f"saved {RESULTS}")
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'kernel':34s} {'M':>4s} {'N x K':>12s} {'ms':>9s} {'vs bf16':>8s} {'rel err':>9s}")
+    for r in rows:
+        print(
+            f"{r['kernel']:34s} {r['M']:>4d} {r['N']:>5d}x{r['K']:<6d} {r['ms']:9.4f} "
+            f"{r['ratio']:7.2f}x {r['rel_err']:9.2e}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# --compile-only: ahead-of-time compilation for real targets, no GPU required
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_kernel(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int, num_warps: int, num_stages: int
+) -> int:
+    """Compile one specialization to a cubin for `sm{arch}`; returns its shared memory in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)  # the kernel's parameter order
+    missing = set(names) - set(signature) - set(constexprs)
+    if missing:
+        raise ValueError(f"no signature or constexpr value for {sorted(missing)}")
+    sig = {name: signature.get(name, "constexpr") for name in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    return int(compiled.metadata.shared)
+
+
+def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
+    """(label, arch, fn, signature, constexprs, config) for every kernel variant and M bucket."""
+    from kernels import fp8_marlin, fp8_w8a8, gptq_wna16, marlin_wna16
+    from kernels.triton_utils import GemmConfig, cuda_block_config, fit_to_groups
+
+    act = "bf16"
+    ptrs = {"X": f"*{act}", "QW": "*i32", "S": f"*{act}"}
+    ints = {"M": "i32", "N": "i32", "K": "i32", "group_size": "i32"}
+    gptq_sig = {**ptrs, "QZ": "*i32", "GIDX": "*i32", "BIAS": f"*{act}", "Y": f"*{act}", **ints}
+    marlin_sig = {**ptrs, "ZP": "*i32", "GIDX": "*i32", "BIAS": f"*{act}", "Y": f"*{act}", **ints}
+    fp8m_sig = {**ptrs, "BIAS": f"*{act}", "Y": f"*{act}", **ints, "unbias": "fp32"}
+    w8a8_sig = {
+        "XQ": "*fp8e4nv",
+        "XS": "*fp32",
+        "W": "*fp8e4nv",
+        "WS": "*fp32",
+        "BIAS": f"*{act}",
+        "Y": f"*{act}",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+    }
+    ms = (1, 256) if quick else MS
+    out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
+    int_variants = [(4, True, False, 128), (8, False, True, 128)] + ([] if quick else [(2, True, False, 40)])
+    for m in ms:
+        for split_k in (1, 2) if m == 1 else (1,):
+            base = cuda_block_config(m)
+            for bits, zp, act_order, group in int_variants:
+                cfg, per_block = fit_to_groups(base, group, act_order=act_order)
+                cfg = replace(cfg, split_k=split_k)
+                common = dict(
+                    HAS_ZP=zp,
+                    ACT_ORDER=act_order,
+                    PER_BLOCK_SCALE=per_block,
+                    HAS_BIAS=True,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                    SPLIT_K=split_k,
+                    BF16_INTERP=False,
+                )
+                label = f"M={m} split={split_k} {bits}-bit zp={zp} act_order={act_order} g{group}"
+                for arch in (80, 90):
+                    out.append(
+                        (
+                            f"gptq_wna16 {label}",
+                            arch,
+                            gptq_wna16._kernel(),
+                            gptq_sig,
+                            {"BITS": bits, **common},
+                            cfg,
+                        )
+                    )
+                    if bits in (4, 8) and (bits == 4 or not zp):
+                        out.append(
+                            (
+                                f"marlin_wna16 {label}",
+                                arch,
+                                marlin_wna16._kernel(),
+                                marlin_sig,
+                                {
+                                    "BITS": bits,
+                                    **{k: v for k, v in common.items() if k != "ACT_ORDER"},
+                                    "ACT_ORDER": act_order,
+                                    "GROUPED_SCALES": group != -1,
+                                },
+                                cfg,
+                            )
+                        )
+            for group in (128, 4096):
+                cfg, per_block = fit_to_groups(base, group, act_order=False)
+                cfg = replace(cfg, split_k=split_k)
+                consts = dict(
+                    GROUPED_SCALES=group < 4096,
+                    PER_BLOCK_SCALE=per_block,
+                    HAS_BIAS=True,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                    SPLIT_K=split_k,
+                    BF16_INTERP=False,
+                )
+                for arch in (80, 90):
+                    out.append(
+                        (
+                            f"fp8_marlin M={m} split={split_k} g{group}",
+                            arch,
+                            fp8_marlin._kernel(),
+                            fp8m_sig,
+                            consts,
+                            cfg,
+                        )
+                    )
+            cfg = replace(cuda_block_config(m, "fp8"), split_k=split_k)
+            for per_channel in (True, False):
+                consts = dict(
+                    PER_CHANNEL=per_channel,
+                    HAS_BIAS=True,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                    SPLIT_K=split_k,
+                    BF16_INTERP=False,
+                )
+                for arch in (89, 90):
+                    out.append(
+                        (
+                            f"fp8_w8a8 M={m} split={split_k} per_channel={per_channel}",
+                            arch,
+                            fp8_w8a8._gemm_kernel(),
+                            w8a8_sig,
+                            consts,
+                            cfg,
+                        )
+                    )
+    quant_sig = {"X": f"*{act}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32"}
+    for arch in (89, 90):
+        cfg = GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
+        out.append(
+            (
+                "fp8 per-token quant",
+                arch,
+                fp8_w8a8._quant_kernel(),
+                quant_sig,
+                {"BLOCK": 4096, "INTERPRET": False},
+                cfg,
+            )
+        )
+    return out
+
+
+def run_compile_only(quick: bool) -> int:
+    failures = 0
+    t_start = time.perf_counter()
+    for label, arch, fn, sig, consts, cfg in compile_matrix(quick):
+        t0 = time.perf_counter()
+        try:
+            smem = compile_kernel(fn, sig, consts, arch, cfg.num_warps, cfg.num_stages)
+        except Exception as exc:  # report every specialization that fails to compile
+            failures += 1
+            print(f"FAIL compile {label} sm{arch}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        limits = [SMEM_LIMIT[a] for a in ((80, 86, 89) if arch == 80 else (arch,))]
+        over = smem > min(limits)
+        failures += over
+        print(
+            f"{'FAIL' if over else 'ok  '} sm{arch} {label:58s} "
+            f"warps={cfg.num_warps} stages={cfg.num_stages} "
+            f"smem={smem / 1024:6.1f} KiB (limit {min(limits) / 1024:.0f}) {time.perf_counter() - t0:4.1f}s",
+            flush=True,
+        )
+    print(f"compile check: {failures} failure(s) in {time.perf_counter() - t_start:.0f}s")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--compile-only", action="store_true", help="AOT-compile for sm80/89/90; no GPU needed"
+    )
+    parser.add_argument("--quick", action="store_true", help="with --compile-only: a reduced matrix")
+    parser.add_argument("--m", type=int, nargs="*", help=f"M values to time (default {MS})")
+    args = parser.parse_args()
+    if args.compile_only:
+        return run_compile_only(args.quick)
+    if not torch.cuda.is_available():
+        print("no CUDA device: run with --compile-only to check that the kernels compile", file=sys.stderr)
+        return 2
+    return run_gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Pull an artifact into the local cache: parallel ranged GETs, resumable, verified, atomic.
+
+    s3://bucket/prefix/<artifact_id>  ->  {cache_dir}/<artifact_id>/
+
+1. An artifact already in the cache (manifest.json present, every needed file present with its
+   manifest size) is returned without touching the network: artifacts are immutable.
+2. manifest.json is read first (into memory). A TP rank needs only its own rank files plus the
+   shared ones (config, tokenizer); `rank=None` pulls everything.
+3. Each missing file is downloaded as `<name>.part` in ranges of `chunk_size` bytes by a thread
+   pool; `<name>.part.progress` (JSON) records the ranges already written, so an interrupted pull
+   continues where it stopped.
+4. A complete `.part` is hashed; only when its sha256 equals the manifest's is it renamed to its
+   name (a crash never leaves a file that looks complete). A mismatch deletes the `.part` and
+   raises `PullError` naming the file, expected and actual digests; nothing is published.
+5. manifest.json is written last, so its presence marks the artifact as complete for this rank.
+
+A local directory URI is verified in place (sizes and sha256) and returned as is: no copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import KilnError
+from runtime.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, sha256_file
+from runtime.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+CHUNK_SIZE = 8 << 20
+WORKERS = 8
+PART_SUFFIX = ".part"
+PROGRESS_SUFFIX = ".part.progress"
+
+
+class PullError(KilnError):
+    """The artifact could not be pulled: missing, truncated or tampered files, or storage errors."""
+
+
+@dataclass
+class PullProgress:
+    file: str  # the file a chunk was just written to ("" for cache hits)
+    bytes_done: int  # bytes of the needed files present locally so far
+    bytes_total: int  # bytes of every file this pull needs
+    bytes_fetched: int  # bytes downloaded by this call (0 for a cache hit)
+
+
+ProgressFn = Callable[[PullProgress], None]
+
+
+def needed_files(manifest: Manifest, rank: int | None) -> list[FileEntry]:
+    if rank is None:
+        return list(manifest.files)
+    if not 0 <= rank < manifest.tp:
+        raise PullError(f"rank {rank} does not exist: the artifact was sharded for tp={manifest.tp}")
+    return [*manifest.rank_files(rank), *manifest.shared_files()]
+
+
+def _is_published(path: Path, entry: FileEntry) -> bool:
+    return path.is_file() and path.stat().st_size == entry.size
+
+
+def verify_local(artifact_dir: Path, rank: int | None = None) -> Manifest:
+    """Check every needed file of a local artifact against the manifest (size and sha256)."""
+    manifest = Manifest.load(artifact_dir)
+    for entry in needed_files(manifest, rank):
+        path = artifact_dir / entry.name
+        if not path.is_file():
+            raise PullError(f"{path} is missing (the manifest lists it)")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise PullError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
+        actual = sha256_file(path)
+        if actual != entry.sha256:
+            raise PullError(f"{path}: sha256 mismatch: expected {entry.sha256}, got {actual} (file altered)")
+    return manifest
+
+
+def pull(
+    uri: str,
+    cache_dir: Path,
+    rank: int | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    settings: Settings | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    workers: int = WORKERS,
+) -> Path:
+    """Local directory with the verified artifact (see the module docstring)."""
+    if not uri.startswith("s3://"):
+        path = Path(uri.removeprefix("file://")).expanduser()
+        if not path.is_dir():
+            raise PullError(
+                f"{uri}: no such directory (artifact URIs are s3://bucket/prefix/<id> or a local dir)"
+            )
+        verify_local(path, rank)
+        return path
+    return _S3Pull(
+        uri, Path(cache_dir), rank, progress, settings or get_settings(), chunk_size, workers
+    ).run()
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class _S3Pull:
+    def __init__(
+        self,
+        uri: str,
+        cache_dir: Path,
+        rank: int | None,
+        progress: ProgressFn | None,
+        settings: Settings,
+        chunk_size: int,
+        workers: int,
+    ) -> None:
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or not prefix:
+            raise PullError(f"{uri}: expected s3://bucket/prefix/<artifact_id>")
+        self.uri, self.bucket, self.prefix = uri, bucket, prefix
+        self.artifact_id = prefix.rsplit("/", 1)[-1]
+        self.dest = cache_dir / self.artifact_id
+        self.rank = rank
+        self.progress = progress
+        self.settings = settings
+        self.chunk_size = chunk_size
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._done = 0
+        self._total = 0
+        self._fetched = 0
+
+    def _client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        s = self.settings
+        return boto3.client(
+            "s3",
+            endpoint_url=s.s3_endpoint_url,
+            region_name=s.s3_region,
+            aws_access_key_id=s.s3_access_key_id,
+            aws_secret_access_key=s.s3_secret_access_key,
+            config=Config(
+                max_pool_connections=max(10, self.workers * 2),
+                retries={"max_attempts": s.s3_max_attempts, "mode": "standard"},
+            ),
+        )
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _report(self, file: str, written: int) -> None:
+        with self._lock:
+            self._done += written
+            self._fetched += written
+            event = PullProgress(file, self._done, self._total, self._fetched)
+        if self.progress is not None:
+            self.progress(event)
+
+    def _cached(self) -> bool:
+        if not (self.dest / MANIFEST_NAME).is_file():
+            return False
+        try:
+            manifest = Manifest.load(self.dest)
+        except ManifestError:
+            return False
+        entries = needed_files(manifest, self.rank)
+        if not all(_is_published(self.dest / e.name, e) for e in entries):
+            return False
+        if self.progress is not None:
+            total = sum(e.size for e in entries)
+            self.progress(PullProgress("", total, total, 0))
+        return True
+
+    def run(self) -> Path:
+        if self._cached():
+            log.info("%s: already in the cache at %s", self.uri, self.dest)
+            return self.dest
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self._client()
+        try:
+            raw = client.get_object(Bucket=self.bucket, Key=self._key(MANIFEST_NAME))["Body"].read()
+        except (ClientError, BotoCoreError) as e:
+            raise PullError(
+                f"{self.uri}: cannot read {MANIFEST_NAME} ({e}); is this a committed artifact?"
+            ) from e
+        manifest = Manifest.parse(raw, f"{self.uri}/{MANIFEST_NAME}")
+        entries = needed_files(manifest, self.rank)
+        self.dest.mkdir(parents=True, exist_ok=True)
+        self._total = sum(e.size for e in entries)
+        todo = []
+        for entry in entries:
+            if _is_published(self.dest / entry.name, entry):
+                self._done += entry.size
+            else:
+                todo.append(entry)
+        try:
+            self._fetch_all(client, todo)
+        except (ClientError, BotoCoreError) as e:
+            raise PullError(f"{self.uri}: download failed ({e}); run the pull again to resume") from e
+        _tmp = self.dest / (MANIFEST_NAME + ".tmp")
+        _tmp.write_bytes(raw)
+        os.replace(_tmp, self.dest / MANIFEST_NAME)
+        log.info("%s: pulled %d file(s) into %s", self.uri, len(todo), self.dest)
+        return self.dest
+
+    def _fetch_all(self, client: Any, entries: list[FileEntry]) -> None:
+        if not entries:
+            return
+        files = [_PartFile(self.dest, e, self.chunk_size) for e in entries]
+        for f in files:
+            self._done += f.bytes_present()
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kiln-pull")
+        try:
+            futures = [
+                pool.submit(self._fetch_chunk, client, f, i) for f in files for i in f.missing_chunks()
+            ]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                fut.result()  # re-raise the first failure
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for f in files:
+                f.close()
+                if f.failed:  # a permanent fault of the stored object: keep nothing of it
+                    f.discard()
+            raise
+        pool.shutdown(wait=True)
+        errors: list[PullError] = []
+        for f in files:
+            try:
+                f.publish()
+            except PullError as e:
+                errors.append(e)
+        if errors:
+            raise PullError("; ".join(str(e) for e in errors))
+
+    def _fetch_chunk(self, client: Any, part: _PartFile, index: int) -> None:
+        start, end = part.chunk_range(index)
+        name = part.entry.name
+        try:
+            resp = client.get_object(
+                Bucket=self.bucket, Key=self._key(name), Range=f"bytes={start}-{end - 1}"
+            )
+        except Exception as e:
+            code = getattr(e, "response", {}).get("Error", {}).get("Code")
+            if code == "InvalidRange":
+                part.failed = True
+                raise PullError(
+                    f"{name}: the stored object is shorter than the {part.entry.size} bytes "
+                    "the manifest says (truncated); nothing was published"
+                ) from e
+            raise
+        data = resp["Body"].read()
+        if len(data) != end - start:
+            part.failed = True
+            raise PullError(
+                f"{name}: got {len(data)} bytes for range {start}-{end - 1}, expected {end - start}: "
+                f"the stored object does not have the manifest's {part.entry.size} bytes (truncated); "
+                "nothing was published"
+            )
+        part.write(index, start, data)
+        self._report(name, len(data))
+
+
+class _PartFile:
+    """`<name>.part` being filled by ranges, with its progress record `<name>.part.progress`."""
+
+    def __init__(self, dest: Path, entry: FileEntry, chunk_size: int) -> None:
+        self.entry = entry
+        self.final = dest / entry.name
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.part = self.final.with_name(self.final.name + PART_SUFFIX)
+        self.record = self.final.with_name(self.final.name + PROGRESS_SUFFIX)
+        self.chunk_size = chunk_size
+        self.num_chunks = -(-entry.size // chunk_size)
+        self.done: set[int] = set()
+        self.failed = False
+        self._lock = threading.Lock()
+        state = self._read_record()
+        if (
+            state is not None
+            and self.part.is_file()
+            and state.get("sha256") == entry.sha256
+            and state.get("size") == entry.size
+            and state.get("chunk_size") == chunk_size
+        ):
+            self.done = set(state.get("done", []))
+            log.info(
+                "%s: resuming, %d of %d ranges already present", entry.name, len(self.done), self.num_chunks
+            )
+        else:
+            with self.part.open("wb") as f:
+                f.truncate(entry.size)
+            self._save()
+        self._fd = os.open(self.part, os.O_WRONLY)
+
+    def _read_record(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.record.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _save(self) -> None:
+        _write_json_atomic(
+            self.record,
+            {
+                "sha256": self.entry.sha256,
+                "size": self.entry.size,
+                "chunk_size": self.chunk_size,
+                "done": sorted(self.done),
+            },
+        )
+
+    def bytes_present(self) -> int:
+        return sum(e - s for s, e in map(self.chunk_range, self.done))
+
+    def missing_chunks(self) -> list[int]:
+        return [i for i in range(self.num_chunks) if i not in self.done]
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.entry.size)
+
+    def write(self, index: int, offset: int, data: bytes) -> None:
+        os.pwrite(self._fd, data, offset)
+        with self._lock:
+            self.done.add(index)
+            self._save()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        self.part.unlink(missing_ok=True)
+        self.record.unlink(missing_ok=True)
+
+    def publish(self) -> None:
+        self.close()
+        actual = sha256_file(self.part)
+        if actual != self.entry.sha256:
+            self.discard()
+            raise PullError(
+                f"{self.entry.name}: sha256 mismatch: expected {self.entry.sha256}, got {actual} — "
+                "the stored file was altered or corrupted; it was not published "
+                "(re-convert or re-upload the artifact)"
+            )
+        os.replace(self.part, self.final)
+        self.record.unlink(missing_ok=True)

@@ -1,0 +1,125 @@
+"""The GPU kernels compiled by Triton for the real device: apply against the torch twin on CUDA.
+
+Run on a CUDA machine with the interpreter OFF (tests/conftest.py turns it on unless told otherwise):
+    TRITON_INTERPRET=0 pytest -m gpu tests/kernels/test_gpu_kernels_cuda.py
+Shapes are larger than the interpreter tests' and cover every M bucket of the launch configs, the
+split-K path the default config picks for small M, and fp8_w8a8's torch._scaled_mm backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import triton_utils
+from kernels.registry import get_kernel
+from tests.kernels.test_gpu_kernels import DTYPES, GEMM_REL_TOL, Fp8Case, IntCase, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        triton_utils.interpreter_enabled(),
+        reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter; set TRITON_INTERPRET=0",
+    ),
+]
+
+MS = (1, 16, 33, 64, 200)
+INT_CASES = {
+    "marlin_wna16": [
+        IntCase(1024, 2048, 4, 128),
+        IntCase(768, 4096, 4, 128, symmetric=False, act_order=True),
+        IntCase(1024, 1024, 8, -1),
+        IntCase(512, 2048, 8, 32, act_order=True),
+        IntCase(2048, 1024, 4, 64, symmetric=False),
+    ],
+    "gptq_wna16": [
+        IntCase(1024, 2048, 4, 128),
+        IntCase(1000, 2048, 4, 128, symmetric=False),  # N that Marlin refuses
+        IntCase(768, 1536, 8, -1),
+        IntCase(512, 2048, 2, 64, symmetric=False, act_order=True),
+        IntCase(640, 1280, 4, 40),  # group not a power of two: per-row scale gather
+    ],
+}
+FP8_CASES = {
+    "fp8_w8a8": [
+        Fp8Case(1536, 2048, "tensor", shard_sizes=(1024, 256, 256)),
+        Fp8Case(1024, 4096, "channel"),
+    ],
+    "fp8_marlin": [
+        Fp8Case(1536, 2048, "tensor", shard_sizes=(1024, 256, 256)),
+        Fp8Case(1024, 4096, "channel"),
+        Fp8Case(1024, 2048, "block", block_size=(128, 128)),
+    ],
+}
+
+
+def _needs_fp8_tensor_cores(name: str) -> None:
+    if name == "fp8_w8a8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8_w8a8 needs sm89+")
+
+
+def _cases() -> list[Any]:
+    out = []
+    for name, cases in {**INT_CASES, **FP8_CASES}.items():
+        for case in cases:
+            for dtype in DTYPES:
+                out.append(pytest.param(name, case, dtype, id=f"{name}-{case}-{dtype}"))
+    return out
+
+
+def _prepared_on_cuda(name: str, case: Any, dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    kernel = get_kernel(name)
+    spec = case.spec(dtype)
+    tensors = kernel.prepare(case.weight(dtype), spec)
+    return kernel, {k: t.cuda() for k, t in tensors.items()}, spec
+
+
+@pytest.mark.parametrize(("name", "case", "dtype"), _cases())
+def test_apply_matches_reference_on_cuda(name: str, case: Any, dtype: torch.dtype) -> None:
+    _needs_fp8_tensor_cores(name)
+    kernel, tensors, spec = _prepared_on_cuda(name, case, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in MS:
+        x = torch.randn(m, spec.k, device="cuda", generator=gen).to(dtype)
+        y = kernel.apply(x, tensors, spec)
+        assert y.is_cuda and y.dtype == dtype and y.shape == (m, spec.n)
+        err = rel_err(y, kernel.reference(x, tensors, spec))
+        assert err < GEMM_REL_TOL[dtype], f"M={m}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_explicit_configs_on_cuda(split_k: int) -> None:
+    from kernels.fp8_marlin import fp8_marlin_gemm
+    from kernels.gptq_wna16 import gptq_wna16_gemm
+    from kernels.marlin_wna16 import marlin_wna16_gemm
+
+    cfg = triton_utils.GemmConfig(block_m=32, block_n=128, block_k=64, split_k=split_k, num_stages=2)
+    dtype = torch.bfloat16
+    for name, case, fn in (
+        ("gptq_wna16", INT_CASES["gptq_wna16"][1], gptq_wna16_gemm),
+        ("marlin_wna16", INT_CASES["marlin_wna16"][1], marlin_wna16_gemm),
+        ("fp8_marlin", FP8_CASES["fp8_marlin"][2], fp8_marlin_gemm),
+    ):
+        kernel, tensors, spec = _prepared_on_cuda(name, case, dtype)
+        x = torch.randn(5, 7, spec.k, device="cuda").to(dtype)
+        y = fn(x, tensors, spec, cfg)
+        assert y.shape == (5, 7, spec.n)
+        assert rel_err(y, kernel.reference(x, tensors, spec)) < GEMM_REL_TOL[dtype], name
+
+
+def test_fp8_scaled_mm_backend_and_quant_bytes() -> None:
+    _needs_fp8_tensor_cores("fp8_w8a8")
+    from kernels.fp8_w8a8 import quantize_per_token, quantize_per_token_reference, scaled_mm_gemm
+
+    x = torch.randn(37, 4096, device="cuda").to(torch.bfloat16)
+    q, s = quantize_per_token(x)
+    q_ref, s_ref = quantize_per_token_reference(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    for dtype in DTYPES:
+        kernel, tensors, spec = _prepared_on_cuda("fp8_w8a8", FP8_CASES["fp8_w8a8"][1], dtype)
+        xd = x.to(dtype)
+        ref = kernel.reference(xd, tensors, spec)
+        assert rel_err(scaled_mm_gemm(xd, tensors, spec), ref) < GEMM_REL_TOL[dtype]
