@@ -321,7 +321,8 @@ def main() -> None:
         "(all threads); xmemcpy = CPU time / CPU time of cloning the same source tensors;\n"
         "peak+MB = VmHWM rise during one call;\n"
         "* naive = per-element reference (tests/kernels/reference_layouts.py) timed on a small slice and\n"
-        "  extrapolated linearly in source bytes; ratio = naive / ours (wall)"
+        "  extrapolated linearly in source bytes (fp8_block's reference loops over blocks, not elements);\n"
+        "  ratio = naive / ours (wall)"
     )
     below = [r for r in rows if float(r["gbps"]) < TARGET_GBPS]
     print(

@@ -18,6 +18,9 @@ llama.cpp through llama-cpp-python on the GGUF the checkpoints come from, when -
 /tmp/llamacpp-venv/bin/python) can import llama_cpp. llama-cpp-python's Python API decodes one sequence,
 so llama.cpp has no batch-8 figure. All systems use --threads threads.
 
+For Kiln, the `kiln generate ARTIFACT --max-tokens 1` command's wall time (process start -> exit) is
+reported too: the same path as a user's first token, with the CLI's own imports.
+
 Prints a table with ratios (Kiln / peer: > 1 means Kiln is faster) and saves bench/results/runtime.json.
 The machine is shared: the JSON records the load average before and after.
 """
@@ -224,11 +227,37 @@ def run_child(
     return result
 
 
+def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> float:
+    """Wall time of `kiln generate ARTIFACT --max-tokens 1`: process start -> exit after one token."""
+    cmd = [sys.executable, "-m", "services.cli", "generate", path, "--prompt", PROMPT, "--max-tokens", "1"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "KILN_NUM_THREADS": str(args.threads),
+        "OMP_NUM_THREADS": str(args.threads),
+    }
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"kiln generate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return wall
+
+
 def measure(python: str, system: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
     print(f"  {system}: {path}", flush=True)
     colds = [run_child(python, system, path, args, cold_only=True) for _ in range(args.cold_runs)]
     full = run_child(python, system, path, args, cold_only=False)
+    extra: dict[str, Any] = {}
+    if system == "kiln":
+        try:
+            extra["kiln_generate_cli_s"] = statistics.median(
+                kiln_generate_cli_s(path, args) for _ in range(args.cold_runs)
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"  kiln generate: {e}")
     return {
+        **extra,
         "path": path,
         "cold_start_s": statistics.median(c["cold_start_s"] for c in colds),
         "cold_start_runs_s": [c["cold_start_s"] for c in colds],
@@ -302,7 +331,16 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from rich.table import Table
 
     table = Table(title="Kiln runtime vs peers (SmolLM2-135M-Instruct, CPU)")
-    for col in ("system", "cold start s", "load s", "decode b1 tok/s", "decode b8 tok/s", "peak RSS MB"):
+    cols = (
+        "system",
+        "cold start s",
+        "`kiln generate` 1 token s",
+        "load s",
+        "decode b1 tok/s",
+        "decode b8 tok/s",
+        "peak RSS MB",
+    )
+    for col in cols:
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results.items():
         d = r["decode_tok_s"]

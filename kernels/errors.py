@@ -12,7 +12,7 @@ class KilnError(Exception):
 
 
 class UnsupportedError(KilnError):
-    """The input is valid but Kiln cannot (yet) handle this combination; the message says what is supported."""
+    """Valid input that Kiln cannot (yet) handle; the message says what is supported."""
 
 
 class NoKernelError(UnsupportedError):

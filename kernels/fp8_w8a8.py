@@ -189,7 +189,8 @@ def _quant_kernel() -> Any:
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+        # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1.0 / (448.0 * 512.0))
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)

@@ -292,8 +292,9 @@ class Engine:
             if seq.detok is not None:
                 seq.text += seq.detok.add(token)
             if p.stop and n_gen >= p.min_tokens:
-                start = max(0, seq.emitted - max(len(s) for s in p.stop))
-                hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+                # only occurrences that reach past the text already handed out are new
+                found = (seq.text.find(s, max(0, seq.emitted - len(s) + 1)) for s in p.stop)
+                hits = [i for i in found if i >= 0]
                 if hits:
                     seq.text = seq.text[: min(hits)]
                     seq.finished, seq.finish_reason = True, "stop"

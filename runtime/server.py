@@ -2,8 +2,10 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming with
 `stream_options.include_usage`), GET /health, GET /metrics (Prometheus, vLLM's metric names),
-GET /version. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
-invalid parameters and context overflow, 404 for an unknown model or route.
+GET /version, and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info (which let
+lm-evaluation-harness tokenize through the server). Errors use OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters and context overflow,
+404 for an unknown model or route.
 
 The handlers only tokenize, validate and format: prefill and decode run in the AsyncEngine's thread.
 A client that disconnects (streaming or not) has its requests aborted, which frees their slots.
@@ -25,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,25 +36,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from runtime.chat import ChatTemplateError, apply_chat_template
-from runtime.engine import ContextLengthError
+from runtime.engine import AsyncEngine, ContextLengthError
 from runtime.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
 from runtime.sampling import InvalidRequestError, SamplingParams, TokenLogprob
-from runtime.server_schemas import ChatCompletionRequest, CompletionRequest
+from runtime.server_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 log = logging.getLogger(__name__)
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-class AsyncEngineLike(Protocol):
-    """The part of runtime.engine.AsyncEngine the server uses."""
-
-    def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[Any]: ...
-
-    def abort(self, request_id: str) -> None: ...
 
 
 class OpenAIError(Exception):
@@ -172,7 +169,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 class OpenAIServing:
     def __init__(
         self,
-        engine: Any,
+        engine: AsyncEngine,
         served_model_name: str,
         tokenizer: PreTrainedTokenizerBase,
         max_model_len: int | None,
@@ -181,20 +178,13 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = tokenizer
-        inner = getattr(engine, "engine", None)
-        self.max_model_len: int | None = (
-            max_model_len or getattr(engine, "max_model_len", None) or getattr(inner, "max_model_len", None)
-        )
+        self.max_model_len: int | None = max_model_len or engine.engine.max_model_len
         self.root = root
         self.created = int(time.time())
         self.token_text = _TokenTexts(tokenizer)
-        stats_src = engine if hasattr(engine, "num_running") else inner
-        if stats_src is not None and hasattr(stats_src, "num_running") and hasattr(stats_src, "num_waiting"):
-            self.metrics = ServerMetrics(
-                served_model_name, lambda: stats_src.num_running, lambda: stats_src.num_waiting
-            )
-        else:
-            self.metrics = ServerMetrics(served_model_name)
+        self.metrics = ServerMetrics(
+            served_model_name, lambda: engine.num_running, lambda: engine.num_waiting
+        )
 
     # --- validation -------------------------------------------------------------------------------
 
@@ -446,7 +436,7 @@ def _new_id(prefix: str) -> str:
 
 
 def build_app(
-    async_engine: Any,
+    async_engine: AsyncEngine,
     served_model_name: str,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -455,17 +445,17 @@ def build_app(
     manage_engine: bool = True,
 ) -> FastAPI:
     """The OpenAI-compatible app. With `manage_engine`, the app's lifespan starts the AsyncEngine's
-    thread (if it has `start()`) and shuts it down at exit."""
+    thread and shuts it down at exit."""
     serving = OpenAIServing(async_engine, served_model_name, tokenizer, max_model_len, root)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if manage_engine and hasattr(async_engine, "start"):
+        if manage_engine:
             async_engine.start()
         try:
             yield
         finally:
-            if manage_engine and hasattr(async_engine, "shutdown"):
+            if manage_engine:
                 async_engine.shutdown()
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
@@ -495,8 +485,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        dead = getattr(async_engine, "errored", False) or getattr(async_engine, "is_dead", False)
-        return Response(status_code=503 if dead else 200)
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -527,6 +516,43 @@ def build_app(
                     "max_model_len": serving.max_model_len,
                 }
             ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
+        if req.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            try:
+                ids = apply_chat_template(
+                    tokenizer, messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except ChatTemplateError as e:
+                raise OpenAIError(400, str(e), param="messages") from e
+        else:
+            ids = list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        serving.check_model(req.model)
+        if any(not 0 <= t < len(tokenizer) for t in req.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {len(tokenizer)})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """What a client needs to tokenize like the server (lm-evaluation-harness's remote tokenizer)."""
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "unk_token": tokenizer.unk_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": serving.max_model_len,
         }
 
     @app.post("/v1/completions", response_model=None)

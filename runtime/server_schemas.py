@@ -123,4 +123,19 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages formatted with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 Endpoint = Literal["completions", "chat"]

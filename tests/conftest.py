@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run on CPU through the interpreter; it must be set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Without a GPU, Triton kernels run on CPU through the interpreter; it must be set before triton
+# is imported. On a CUDA machine the real backend is used (set TRITON_INTERPRET=1 to force it).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest_plugins = [
     "tests.fixtures.s3",

@@ -43,9 +43,7 @@ def decode_awq(
         raise LayoutError(f"AWQ K={k} with group_size={group_size} needs {expected_g} scale rows, got {g}")
     codes = awq_unpack_transposed(qweight, bits)  # (N, K)
     zeros = awq_unpack(qzeros, bits)  # (G, N)
-    return IntWeight(
-        codes=codes, scales=scales, bits=bits, group_size=group_size, zeros=zeros
-    )
+    return IntWeight(codes=codes, scales=scales, bits=bits, group_size=group_size, zeros=zeros)
 
 
 def encode_awq(w: IntWeight) -> dict[str, torch.Tensor]:

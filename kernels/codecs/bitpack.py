@@ -42,7 +42,8 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """(K, N) integer codes in [0, 2**bits) -> (ceil(K*bits/32), N) int32, packed along dim 0."""
     _check_2d(q, "q")
     _check_bits(bits)
-    if bits == 3:
+    if bits == 3 or (not q.is_contiguous() and q.T.is_contiguous()):
+        # a transposed view (e.g. IntWeight.codes.T): pack its contiguous side, transpose int32 words
         return pack_cols(q.T, bits).T.contiguous()
     codes = _as_codes(q, bits)
     pf = 32 // bits

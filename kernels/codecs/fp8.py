@@ -58,9 +58,12 @@ def quantize_fp8(
 def requantize_to_max_scale(w: Fp8Weight) -> Fp8Weight:
     """vLLM's `requantize_with_max_scale`: fused per-tensor shards -> one scale (max over shards).
 
-    Each shard is dequantized as `weight.to(float16) * scale[i]` (torch type promotion keeps that
-    product in float16, the scale rounded to float16 first) and requantized with the static kernel:
-    cvt(clamp(x * (1 / max_scale))). Bytes may change even when all shard scales are equal.
+    Each shard is dequantized as vLLM's `per_tensor_dequantize` does on the GPU: `weight.to(float16)
+    * scale[i]` with `scale[i]` a 0-dim CUDA tensor, so type promotion gives float16 and the CUDA
+    kernel loads the scale cast to float16: fp16(float(q16) * float(fp16(s))). (On CPU a 0-dim tensor
+    is a "CPU scalar" kept in float32, so the scale is rounded to float16 explicitly here.) Then it is
+    requantized with the static kernel: cvt(clamp(x * (1 / max_scale))). Bytes may change even when
+    all shard scales are equal.
     """
     if w.strategy != "tensor":
         raise LayoutError(f"requantize_to_max_scale applies to per-tensor FP8 weights, not {w.strategy!r}")
@@ -70,9 +73,8 @@ def requantize_to_max_scale(w: Fp8Weight) -> Fp8Weight:
     if len(sizes) != scale.numel():
         raise LayoutError(f"{scale.numel()} per-tensor scales for {len(sizes)} shards {sizes}")
     max_s = scale.max()
-    parts = [
-        part.to(torch.float16) * scale[i] for i, part in enumerate(torch.split(w.weight, list(sizes)))
-    ]
+    scale16 = scale.to(torch.float16)
+    parts = [part.to(torch.float16) * scale16[i] for i, part in enumerate(torch.split(w.weight, list(sizes)))]
     deq = torch.cat(parts).float()
     q = _static_quant(deq, max_s.reshape(1, 1))
     return Fp8Weight(weight=q, scale=max_s.reshape(1), strategy="tensor", bias=w.bias)

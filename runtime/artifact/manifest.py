@@ -120,7 +120,9 @@ class Manifest(_Model):
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON ({e}); the artifact is corrupt — pull it again") from e
+            raise ManifestError(
+                f"{where}: not valid JSON ({e}); the artifact is corrupt — pull it again"
+            ) from e
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")

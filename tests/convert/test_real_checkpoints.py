@@ -65,7 +65,7 @@ FP8_SM80_GAP = pytest.mark.xfail(
 
 def _params() -> list:
     params = []
-    for case, spec in CASES.items():
+    for case in CASES:
         for target in ("cpu", "sm80"):
             marks = [FP8_SM80_GAP] if target == "sm80" and "fp8" in case else []
             params.append(pytest.param(case, target, marks=marks, id=f"{case}-{target}"))

@@ -291,6 +291,7 @@ def write_checkpoint(
         files[-1]["lm_head.weight"] = (torch.randn(dims.vocab, dims.hidden, generator=gen) * 0.02).to(
             dense_dtype
         )
+        truth["lm_head"] = files[-1]["lm_head.weight"].float()
     _save(path, files)
     quant = _quant_config(fmt, opts)
     config = llama_config(dims, dtype, None if quant_config_file else quant)

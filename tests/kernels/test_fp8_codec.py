@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels.base import Fp8Weight
@@ -117,6 +117,7 @@ def test_per_block_amax_floor() -> None:
     k=st.integers(1, 32),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(shards=[1, 11, 11], k=9, seed=12)  # the fp16-rounded scale changes a code here
 def test_requantize_to_max_scale_matches_reference(shards: list[int], k: int, seed: int) -> None:
     w = _weight(seed, sum(shards), k, torch.bfloat16)
     f = quantize_fp8(w, "tensor", shard_sizes=tuple(shards))

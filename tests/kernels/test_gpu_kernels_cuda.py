@@ -25,7 +25,7 @@ pytestmark = [
     ),
 ]
 
-MS = (1, 16, 33, 64, 200)
+MS = (1, 33, 200)  # the three M buckets of the dequant launch configs (compile time stays bounded)
 INT_CASES = {
     "marlin_wna16": [
         IntCase(1024, 2048, 4, 128),
@@ -63,9 +63,9 @@ def _needs_fp8_tensor_cores(name: str) -> None:
 def _cases() -> list[Any]:
     out = []
     for name, cases in {**INT_CASES, **FP8_CASES}.items():
-        for case in cases:
-            for dtype in DTYPES:
-                out.append(pytest.param(name, case, dtype, id=f"{name}-{case}-{dtype}"))
+        for i, case in enumerate(cases):  # dtypes alternate over a kernel's cases: both are covered
+            dtype = DTYPES[i % 2]
+            out.append(pytest.param(name, case, dtype, id=f"{name}-{case}-{dtype}"))
     return out
 
 

@@ -445,3 +445,19 @@ def test_non_streaming_client_disconnect_aborts_the_request(
         after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
         < max_tokens
     )
+
+
+def test_tokenize_detokenize_and_tokenizer_info(client: httpx.Client, server: RunningServer) -> None:
+    """vLLM's tokenizer endpoints, as lm-evaluation-harness's remote tokenizer calls them."""
+    tok = server.tokenizer
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    out = client.post("/tokenize", json={"prompt": "héllo wörld", "add_special_tokens": False}).json()
+    assert out["tokens"] == tok("héllo wörld", add_special_tokens=False)["input_ids"]
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
+    assert client.post("/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": "héllo wörld"}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == apply_chat_template(tok, messages)
+    r = client.post("/detokenize", json={"tokens": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"

@@ -24,11 +24,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from tests.fixtures.s3 import s3_test_env
+
+if TYPE_CHECKING:
+    from tests.services.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -264,3 +268,43 @@ def wait_for_job(
             return job
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not reach the expected state in {timeout} s: {job}")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic tiny bf16 Llama (2 layers, hidden 256) as a checkpoint directory."""
+    from tests.helpers.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", "dense", dtype="bfloat16")
+
+
+@pytest.fixture
+def make_stack(
+    services_env: dict[str, str],
+    celery_worker: Callable[..., WorkerProcess],
+    serve_app: Callable[..., str],
+    s3_bucket: str,
+) -> Iterator[Callable[..., Stack]]:
+    clients: list[httpx.Client] = []
+
+    from services.api.app import create_app
+    from tests.services.stack import Stack
+
+    def make(**worker_env: str) -> Stack:
+        settings = make_settings(services_env)
+        url = serve_app(create_app(settings))
+        worker = celery_worker(**worker_env)
+        user = httpx.Client(
+            base_url=url, timeout=30, headers={"Authorization": f"Bearer {create_token(settings)}"}
+        )
+        admin = httpx.Client(
+            base_url=url,
+            timeout=30,
+            headers={"Authorization": f"Bearer {create_token(settings, admin=True)}"},
+        )
+        clients.extend([user, admin])
+        return Stack(settings, user, admin, worker, s3_bucket)
+
+    yield make
+    for c in clients:
+        c.close()

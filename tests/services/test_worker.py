@@ -10,56 +10,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 from sqlalchemy import func, select, update
 
 from runtime.artifact.manifest import Manifest
-from services.api.app import create_app
 from services.db.models import Artifact, ArtifactFile, Job
 from services.db.session import session_scope
-from tests.helpers.synthetic import write_checkpoint
-from tests.services.conftest import WorkerProcess, create_token, make_settings, wait_for_job
+from tests.services.conftest import wait_for_job
 from tests.services.stack import Stack, sha256_bytes
 
 SLOW_LAYER_S = "0.3"  # tiny model: 8 fused layers per target -> ≈3 s per conversion
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", "dense", dtype="bfloat16")
-
-
-@pytest.fixture
-def make_stack(
-    services_env: dict[str, str],
-    celery_worker: Callable[..., WorkerProcess],
-    serve_app: Callable[..., str],
-    s3_bucket: str,
-) -> Iterator[Callable[..., Stack]]:
-    clients: list[httpx.Client] = []
-
-    def make(**worker_env: str) -> Stack:
-        settings = make_settings(services_env)
-        url = serve_app(create_app(settings))
-        worker = celery_worker(**worker_env)
-        user = httpx.Client(
-            base_url=url, timeout=30, headers={"Authorization": f"Bearer {create_token(settings)}"}
-        )
-        admin = httpx.Client(
-            base_url=url,
-            timeout=30,
-            headers={"Authorization": f"Bearer {create_token(settings, admin=True)}"},
-        )
-        clients.extend([user, admin])
-        return Stack(settings, user, admin, worker, s3_bucket)
-
-    yield make
-    for c in clients:
-        c.close()
 
 
 def _submit(stack: Stack, source: str, targets: list[str], key: str | None = None) -> dict:
