@@ -6,9 +6,10 @@ warp w in 0..3, lane th in 0..31, off = [0, 1, 8, 9],
     row(th, v) = 16 kt + 2 (th % 4) + off[v % 4],   col(th, v) = 64 nt + 16 w + th // 4 + 8 (v // 4)
     4-bit: out[kt, 128 nt + 4 th + w]          field t = q[row(th, v), col(th, v)], v = [0,2,4,6,1,3,5,7][t]
     8-bit: out[kt, 256 nt + 8 th + 2 w + h]    field t = q[row(th, u), col(th, u)], u = 4 h + [0,2,1,3][t]
-Implementation: for 4-bit every output word is made of the same byte (th % 4) of four source words,
-whose nibbles are shuffled with a few uint8 ops on strided views (no index tensors); for 8-bit the
-transform is a pure byte permutation: a tile reshape plus one cached 1024-entry gather per tile.
+Implementation (kernels/codecs/swar.py): int32 word permutes plus bitwise nibble/byte swaps on
+contiguous cache-sized row blocks; for 4-bit every output word is made of the same byte (th % 4) of
+four source words. The inverse (`marlin_unrepack`, tests and round trips) uses uint8 strided views
+and, for 8-bit, one cached 1024-entry gather per tile.
 Act-order: output row k reads source row perm[k] (perm = `sort_g_idx(g_idx)[1]`).
 
 Scales: grouped (group_size < K and != -1) permute every 64 columns by scale_perm, otherwise every 32
@@ -23,6 +24,7 @@ from functools import cache
 import torch
 
 from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
+from kernels.codecs.swar import marlin_repack4_words, marlin_repack8_words
 from kernels.errors import LayoutError
 
 MARLIN_TILE = 16
@@ -48,8 +50,8 @@ def marlin_repack(qweight_std: torch.Tensor, bits: int, perm: torch.Tensor | Non
     if perm is not None and perm.numel():
         src = _permute_packed_rows(src, bits, k, perm)
     if bits == 4:
-        return _repack4(src, k, n)
-    return _repack8(src, k, n)
+        return marlin_repack4_words(src, k, n)
+    return marlin_repack8_words(src, k, n)
 
 
 def marlin_unrepack(qweight_marlin: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
@@ -69,23 +71,6 @@ def marlin_unrepack(qweight_marlin: torch.Tensor, bits: int, k: int, n: int) -> 
     return _unrepack4(src, k, n) if bits == 4 else _unrepack8(src, k, n)
 
 
-def _repack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    # source bytes: dims [kt, rp, nt, w, h, cq, b]; byte b of word (8-row block rp, column 16w+8h+cq)
-    # holds rows 2b (low nibble) and 2b+1 (high nibble) of that block.
-    x = src.view(torch.uint8).view(k // 16, 2, n // 64, 4, 2, 8, 4)
-    a = x[:, 0, :, :, 0].permute(0, 1, 3, 4, 2)  # rows a, a+1 at col c      -> [kt, nt, cq, b, w]
-    b = x[:, 1, :, :, 0].permute(0, 1, 3, 4, 2)  # rows a+8, a+9 at col c
-    c = x[:, 0, :, :, 1].permute(0, 1, 3, 4, 2)  # rows a, a+1 at col c+8
-    d = x[:, 1, :, :, 1].permute(0, 1, 3, 4, 2)  # rows a+8, a+9 at col c+8
-    out = torch.empty(k // 16, n // 64, 8, 4, 4, 4, dtype=torch.uint8)  # [kt, nt, cq, b, w, byte]
-    lo, hi = 0x0F, 0xF0
-    torch.bitwise_or(a & lo, b << 4, out=out[..., 0])  # fields t=0,1: v=0 (row a), v=2 (row a+8)
-    torch.bitwise_or(c & lo, d << 4, out=out[..., 1])  # t=2,3: v=4, v=6 (col + 8)
-    torch.bitwise_or(a >> 4, b & hi, out=out[..., 2])  # t=4,5: v=1 (row a+1), v=3 (row a+9)
-    torch.bitwise_or(c >> 4, d & hi, out=out[..., 3])  # t=6,7: v=5, v=7
-    return out.view(torch.int32).view(k // 16, n * 2)  # (K / 16, N * 16 / 8) int32
-
-
 def _unrepack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
     o = src.view(torch.uint8).view(k // 16, n // 64, 8, 4, 4, 4)  # [kt, nt, cq, b, w, byte]
     o0, o1, o2, o3 = o[..., 0], o[..., 1], o[..., 2], o[..., 3]
@@ -100,14 +85,6 @@ def _unrepack4(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
     dest(0, 1).copy_((o1 & lo) | (o3 << 4))
     dest(1, 1).copy_((o1 >> 4) | (o3 & hi))
     return out.view(torch.int32).view(k // 8, n)
-
-
-def _repack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    # 16 x 64 tiles as 1024 contiguous bytes [r4, col, byte] (local row = 4 r4 + byte), then one
-    # cached gather puts every byte at its Marlin position.
-    tiles = src.view(torch.uint8).view(k // 16, 4, n // 64, 256).permute(0, 2, 1, 3)
-    tiles = tiles.reshape(k // 16, n // 64, 1024)
-    return tiles[..., _tile_index8()].view(k // 16, n * 16).view(torch.int32)  # (K / 16, N * 4) int32
 
 
 def _unrepack8(src: torch.Tensor, k: int, n: int) -> torch.Tensor:

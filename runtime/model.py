@@ -198,16 +198,15 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv_proj = KernelLinear(f"{prefix}.qkv_proj")
         self.o_proj = KernelLinear(f"{prefix}.o_proj", all_reduce=world_size > 1)
-        self.split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+        self.split = [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
+        # q and k heads rotated in one call: (b, heads + kv_heads, t, head_dim)
+        qk = apply_rope(qk.view(b, t, -1, self.head_dim).transpose(1, 2), ctx.cos, ctx.sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
         cache = ctx.cache
         if ctx.prefill_slot is not None:  # one sequence from position 0: attend to itself, causally
             cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from runtime.chat import ChatTemplateError, apply_chat_template
-from runtime.engine import AsyncEngine, ContextLengthError
+from runtime.engine import AsyncEngine, ContextLengthError, RequestOutput
 from runtime.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
 from runtime.sampling import InvalidRequestError, SamplingParams, TokenLogprob
 from runtime.server_schemas import (
@@ -130,7 +130,7 @@ class _Result:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
 
-    def add(self, out: Any) -> None:
+    def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
         self.text += out.text_delta
         if out.logprobs:
@@ -269,7 +269,9 @@ class OpenAIServing:
 
     # --- engine plumbing ----------------------------------------------------------------------------
 
-    async def start(self, job: _Job, tracker: RequestTracker) -> tuple[AsyncIterator[Any], Any]:
+    async def start(
+        self, job: _Job, tracker: RequestTracker
+    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
         """Submit a job and wait for its first output (so submission errors become a 400, not a broken
         stream). Returns the iterator and that first output."""
         tracker.prompt(len(job.prompt_ids))
@@ -289,7 +291,7 @@ class OpenAIServing:
         tracker.tokens(len(first.new_token_ids))
         return it, first
 
-    async def outputs(self, job: _Job, tracker: RequestTracker) -> AsyncIterator[Any]:
+    async def outputs(self, job: _Job, tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
         """All outputs of a job, the first included. Closing this iterator early aborts the request."""
         it, first = await self.start(job, tracker)
         finished = bool(first.finished)
@@ -324,7 +326,7 @@ class OpenAIServing:
         results = [_Result(prompt_ids=j.prompt_ids) for j in jobs]
         trackers = [self.metrics.track() for _ in jobs]
         # Submit every job first so a bad one fails before any runs for long.
-        started: list[AsyncIterator[Any]] = []
+        started: list[AsyncIterator[RequestOutput]] = []
         try:
             for job, tracker in zip(jobs, trackers, strict=True):
                 started.append(self.outputs(job, tracker))
@@ -621,7 +623,7 @@ async def _completions(s: OpenAIServing, req: CompletionRequest, request: Reques
     )
 
 
-async def _merged(s: OpenAIServing, jobs: list[_Job]) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(s: OpenAIServing, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(job index, output) of several jobs as they arrive; every job is aborted if the consumer stops."""
     trackers = [s.metrics.track() for _ in jobs]
     streams = [s.outputs(job, t) for job, t in zip(jobs, trackers, strict=True)]
@@ -641,7 +643,7 @@ async def _merged(s: OpenAIServing, jobs: list[_Job]) -> AsyncIterator[tuple[int
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
@@ -682,8 +684,8 @@ async def _completion_stream(
     req: CompletionRequest,
     rid: str,
     jobs: list[_Job],
-    merged: AsyncIterator[tuple[int, Any]],
-    first: tuple[int, Any],
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -705,7 +707,7 @@ async def _completion_stream(
             payload["usage"] = None
         return _sse(payload)
 
-    async def items() -> AsyncIterator[tuple[int, Any]]:
+    async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
         yield first
         async for item in merged:
             yield item
@@ -798,7 +800,12 @@ async def _chat(s: OpenAIServing, req: ChatCompletionRequest, request: Request) 
 
 
 async def _chat_stream(
-    s: OpenAIServing, req: ChatCompletionRequest, rid: str, job: _Job, outputs: AsyncIterator[Any], first: Any
+    s: OpenAIServing,
+    req: ChatCompletionRequest,
+    rid: str,
+    job: _Job,
+    outputs: AsyncIterator[RequestOutput],
+    first: RequestOutput,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     opts = req.stream_options
@@ -822,7 +829,7 @@ async def _chat_stream(
 
     try:
         yield chunk({"role": "assistant", "content": ""})
-        pending: list[Any] = [first]
+        pending: list[RequestOutput] = [first]
         while True:
             out = pending.pop() if pending else await anext(outputs)
             before = len(res.logprobs)

@@ -84,6 +84,8 @@ class ProgressWriter:
                 repo.record_progress(
                     s, self.job_id, stage=stage, progress=pct, message=str(getattr(p, "message", ""))
                 )
+        except SoftTimeLimitExceeded:
+            raise
         except Exception as e:  # progress is advisory: a failed write must not fail the conversion
             log.warning("job %s: progress not recorded (%s)", self.job_id, e)
 
@@ -105,6 +107,8 @@ class CancelCheck:
         try:
             with session_scope(self.settings) as s:
                 return repo.cancel_requested(s, self.job_id)
+        except SoftTimeLimitExceeded:
+            raise
         except Exception as e:
             log.warning("job %s: cancellation flag not readable (%s); continuing", self.job_id, e)
             return False
@@ -251,6 +255,17 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
         raise
     log.info("job %s: succeeded: %s", job_id, ", ".join(ids))
     return "succeeded"
+
+
+def record_time_limit_kill(job_id: str, settings: Settings) -> None:
+    """The worker killed the task at its hard time limit (the message is acknowledged, no retry)."""
+    _finish(
+        job_id,
+        "failed",
+        f"killed at the hard time limit of {settings.job_hard_time_limit_s} s; raise "
+        "KILN_JOB_SOFT_TIME_LIMIT_S / KILN_JOB_HARD_TIME_LIMIT_S (below the broker visibility timeout)",
+        settings,
+    )
 
 
 def _finish(job_id: str, status: Literal["failed", "cancelled"], error: str, settings: Settings) -> None:

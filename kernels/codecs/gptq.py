@@ -15,6 +15,7 @@ import torch
 
 from kernels.base import IntWeight
 from kernels.codecs.bitpack import pack_cols, packed_capacity, unpack_cols
+from kernels.codecs.swar import unpack4_transposed
 from kernels.errors import LayoutError
 
 
@@ -42,7 +43,10 @@ def decode_gptq(
         raise LayoutError(
             f"GPTQ qzeros must be (G={g}, N*bits/32) int32 for N={n}, {bits}-bit; got {tuple(qzeros.shape)}"
         )
-    codes = unpack_cols(qweight.T, bits, k)  # (N, K) uint8; transposing int32 words is the cheap side
+    if bits == 4:
+        codes = unpack4_transposed(qweight)  # (N, K) uint8
+    else:
+        codes = unpack_cols(qweight.T, bits, k)  # (N, K) uint8; transposing int32 words is the cheap side
     stored = unpack_cols(qzeros, bits, n)  # (G, N) uint8
     zeros = _stored_to_zeros(stored, bits, v2)
     if sym:

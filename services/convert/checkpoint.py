@@ -87,9 +87,11 @@ class Checkpoint:
             if path is not None:
                 from safetensors import safe_open
 
+                # get_tensor returns a view on a private (copy-on-write) mapping of the file, which
+                # lives as long as the tensor: pages are read on touch and released with the layer.
                 with safe_open(str(path), framework="pt") as f:
                     for info in group:
-                        out[info.name] = f.get_tensor(info.name).clone()
+                        out[info.name] = f.get_tensor(info.name)
             else:
                 for info in group:
                     out[info.name] = tensor_from_bytes(

@@ -34,6 +34,9 @@ QUANTIZED_SUFFIXES = (
     "weight_g_idx", "weight_shape", "weight_scale_inv", "input_scale",
 )  # fmt: skip
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+# Static activation / KV-cache scales: the kernels quantize activations dynamically and the runtime
+# has its own KV-cache handling, so these are dropped (and the plan says so).
+DROPPED_SCALE_SUFFIXES = ("input_scale", "output_scale", "k_scale", "v_scale")
 
 
 @dataclass
@@ -283,10 +286,14 @@ def build_plan(
                 )
         layers.append(PlannedLayer(layout, quant, tq, specs, kernel, rejected, fallback, sources))
     others = []
+    dropped = []
     for name, info in sorted(ckpt.tensors.items()):
         if name in consumed or name.endswith(IGNORED_TENSOR_SUFFIXES):
             continue
         suffix = name.rsplit(".", 1)[-1]
+        if suffix in DROPPED_SCALE_SUFFIXES:
+            dropped.append(name)
+            continue
         if suffix in QUANTIZED_SUFFIXES or info.dtype == "F8_E4M3":
             raise ConversionError(
                 f"tensor {name} belongs to a quantized layer Kiln does not know (only Llama-family "
@@ -294,6 +301,11 @@ def build_plan(
             )
         others.append(name)
     notes = list(fmt.notes)
+    if dropped:
+        notes.append(
+            f"{len(dropped)} static activation / KV-cache scale tensors (e.g. {dropped[0]}) are not used: "
+            "the kernels quantize activations dynamically"
+        )
     if tp > 1:
         notes.append("embeddings, norms and lm_head are replicated on every rank (vocabulary not sharded)")
     if dims.tie_word_embeddings and not has_lm_head:

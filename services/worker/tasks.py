@@ -5,15 +5,36 @@ from __future__ import annotations
 import logging
 
 from celery import Task
+from celery.worker.request import Request
 
 from runtime.settings import get_settings
-from services.jobs import TransientJobError, retry_delay, run_job
+from services.jobs import TransientJobError, record_time_limit_kill, retry_delay, run_job
 from services.worker.app import TASK_NAME, app
 
 log = logging.getLogger(__name__)
 
 
-@app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+class ConvertRequest(Request):
+    """Runs in the worker's main process: a hard time-limit kill acknowledges the message, so the
+    job row must say why it stopped (otherwise it would read `running` until the reconciler)."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft and self.args:
+            try:
+                record_time_limit_kill(str(self.args[0]), get_settings())
+            except Exception as e:
+                log.warning("job %s: time-limit failure not recorded (%s)", self.args[0], e)
+
+
+@app.task(
+    name=TASK_NAME,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=None,
+    Request=ConvertRequest,
+)
 def convert_job(self: Task, job_id: str) -> str:
     settings = get_settings()
     try:

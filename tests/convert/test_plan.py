@@ -174,3 +174,11 @@ def test_act_dtype(ckpt: Callable[[str], Path]) -> None:
     assert plan(str(ckpt("bf16")), "sm80").act_dtype == "bfloat16"
     assert plan(str(ckpt("bf16")), "sm75").act_dtype == "float16"
     assert plan(str(ckpt("gptq-w4-v1-sym")), "sm80").act_dtype == "float16"
+
+
+def test_static_activation_scales_are_dropped_with_a_note(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "static", "fp8", static_act=True)
+    p = plan(str(path), "sm90")
+    assert not any(n.endswith("input_scale") for n in p.other_tensors)
+    assert any("input_scale" in n for n in p.notes) and any("activation_scheme static" in n for n in p.notes)
+    assert {r.kernel for r in p.rows if r.layer != "lm_head"} == {"fp8_w8a8"}

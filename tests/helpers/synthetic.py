@@ -130,7 +130,10 @@ def _quant_config(fmt: str, o: dict[str, Any]) -> dict[str, Any] | None:
         return {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": o["ignore"] or None}  # fmt: skip
     if fmt == "fp8":
-        cfg: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        cfg: dict[str, Any] = {
+            "quant_method": "fp8",
+            "activation_scheme": "static" if o["static_act"] else "dynamic",
+        }
         if o["fp8_strategy"] == "block":
             cfg["weight_block_size"] = list(o["block"])
         if o["ignore"]:
@@ -186,7 +189,10 @@ def _encode(
         if fmt == "fp8":
             key = "weight_scale_inv" if q.strategy == "block" else "weight_scale"
             scale = q.scale.reshape(()) if q.strategy == "tensor" else q.scale
-            return {"weight": q.weight, key: scale}
+            out = {"weight": q.weight, key: scale}
+            if o["static_act"]:
+                out["input_scale"] = torch.tensor(0.01, dtype=torch.float32)
+            return out
         if q.strategy == "tensor":
             scale = q.scale.reshape(1)
         elif q.strategy == "channel":
@@ -241,6 +247,7 @@ def write_checkpoint(
     seed: int = 0,
     quant_config_file: str | None = None,
     truth: dict[str, torch.Tensor] | None = None,
+    static_act: bool = False,
 ) -> Path:
     """Write a synthetic checkpoint directory; returns `path`.
 
@@ -254,7 +261,7 @@ def write_checkpoint(
         dtype = "float16" if fmt in ("gptq", "awq") else "bfloat16"
     opts = {"bits": bits, "group_size": group_size, "sym": sym, "act_order": act_order, "v2": v2,
             "mislabel": mislabel, "fp8_strategy": fp8_strategy, "block": block, "dtype": dtype,
-            "ignore": list(ignore or []), "dynamic": dynamic}  # fmt: skip
+            "ignore": list(ignore or []), "dynamic": dynamic, "static_act": static_act}  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     dense_dtype = _dtype(dtype)
     path.mkdir(parents=True, exist_ok=True)

@@ -264,6 +264,25 @@ def test_awq_nibble_order() -> None:
     assert awq_pack(codes, 4).item() == ref_awq_pack(codes).item()
 
 
+def test_fast_paths_across_row_blocks_and_hugepage_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiny blocks: several blocks plus a shorter last one; every output numpy-backed
+    from kernels.codecs import swar
+
+    monkeypatch.setattr(swar, "BLOCK_BYTES", 700)
+    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    n, k = 40, 112  # GPTQ: N blocks of 12, 12, 12, 4 rows; AWQ: K / 8 blocks of 4, 4, 4, 2
+    w = _int_weight(5, n, k, 4, 16, sym=False, act_order=False)
+    gptq = encode_gptq(w, v2=True)
+    assert torch.equal(gptq["qweight"], ref_pack_rows(w.codes.T, 4))
+    back = decode_gptq(
+        gptq["qweight"], gptq["qzeros"], gptq["scales"], None, bits=4, group_size=16, sym=False, v2=True
+    )
+    assert torch.equal(back.codes, ref_unpack_cols(gptq["qweight"].T, 4, k))
+    a = encode_awq(w)
+    qweight_std, _ = awq_to_standard(a["qweight"], a["qzeros"], bits=4)
+    assert torch.equal(qweight_std, ref_pack_rows(w.codes.T, 4))
+
+
 # ---------------------------------------------------------------------------------------------
 # compressed-tensors
 # ---------------------------------------------------------------------------------------------

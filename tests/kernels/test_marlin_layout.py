@@ -218,3 +218,16 @@ def test_check_marlin_shape_row_parallel_split() -> None:
     # K_full = 384 over 2 ranks gives K = 192 per rank: refused by the K rule, naming this rank's K.
     ok, reason = check_marlin_shape(64, 192, 384, 64)
     assert not ok and "K=192" in reason
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_repack_across_row_blocks_and_hugepage_outputs(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiny blocks: several blocks plus a shorter last one; every output numpy-backed
+    from kernels.codecs import swar
+
+    monkeypatch.setattr(swar, "BLOCK_BYTES", 3000)
+    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    k, n = 16 * 7, 64 * 3
+    q = _codes(11 + bits, k, n, bits)
+    out = marlin_repack(pack_rows(q, bits), bits)
+    assert torch.equal(out, ref_marlin_closed_form(q, bits))

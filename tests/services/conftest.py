@@ -45,6 +45,14 @@ TEST_HARD_LIMIT_S = 18
 WORKER_READY_TIMEOUT_S = 60
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything here talks to PostgreSQL / Redis / the S3 server: `-m "not services"` skips it."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.services)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,170 @@
+"""Acceptance on the real SmolLM2-135M-Instruct: CPU artifacts (bf16 passthrough, llm-compressor
+FP8_DYNAMIC, llm-compressor GPTQ W4A16, AutoAWQ-packed AWQ) against a reference forward.
+
+The reference is transformers' `LlamaForCausalLM` in fp32 holding the *source checkpoint's*
+weights, dequantized by the format's own library (tests/fixtures/checkpoints.py) — so the only
+differences left are the runtime's kernels computing in bf16 activations. Perplexity on the GPL-3
+text is reported per artifact (printed and saved to bench/results/real_model_perplexity.json) and
+checked against the figures measured on this machine (../shared/toolchain.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.chat import apply_chat_template
+from runtime.eval import generate_greedy, runtime_logits_fn, text_perplexity
+from runtime.loader import LoadedModel, load_model
+from services import checkpoints
+from tests.fixtures.checkpoints import reference_model
+
+# Tolerances between the runtime (bf16 activations through 30 layers) and the fp32 reference on the
+# same weights. Measured on the fixed prompts: max |Δlogit| ≈ 0.8–1.1 with logits of std ≈ 6.5.
+LOGITS_MAX_ABS_TOL = 2.0  # any position, any vocabulary entry
+LOGITS_MEAN_ABS_TOL = 0.25  # averaged over positions and vocabulary
+# Where the runtime's argmax differs from the reference's, it must be a near-tie in the reference.
+ARGMAX_MARGIN_TOL = 0.5  # reference logit of the runtime's argmax >= reference max - this
+
+GREEDY_TOKENS = 32
+
+# Perplexity (GPL-3 text, first 2048 tokens in 4 windows of 512), measured in fp32 on this machine:
+PUBLISHED_PPL = {"fp32": 23.762, "gptq": 27.195, "fp8_dynamic": 24.203}
+PPL_REL_TOL = 0.05  # bf16 activations vs fp32, and a re-run GPTQ calibration vs the published one
+# AWQ-packed uses AWQ's round-to-nearest recipe without the activation-aware search: expected
+# between fp32 and a little above GPTQ (llm-compressor's searched AWQ: 26.787).
+AWQ_RTN_PPL_RANGE = (PUBLISHED_PPL["fp32"], PUBLISHED_PPL["gptq"] * 1.10)
+
+PPL_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "real_model_perplexity.json"
+
+FRANCE = "What is the capital of France? Answer in one sentence."
+TEXT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. Meanwhile, in the capital of France,",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+]
+
+# case -> (artifact fixture, source checkpoint fixture, perplexity expectation (low, high))
+CASES: dict[str, tuple[str, str, tuple[float, float]]] = {
+    "bf16": (
+        "smollm2_artifact_cpu_bf16",
+        "smollm2_bf16",
+        (PUBLISHED_PPL["fp32"] * (1 - PPL_REL_TOL), PUBLISHED_PPL["fp32"] * (1 + PPL_REL_TOL)),
+    ),
+    "fp8-dynamic": (
+        "smollm2_artifact_cpu_fp8",
+        "smollm2_fp8_dynamic",
+        (PUBLISHED_PPL["fp8_dynamic"] * (1 - PPL_REL_TOL), PUBLISHED_PPL["fp8_dynamic"] * (1 + PPL_REL_TOL)),
+    ),
+    "int4-gptq": (
+        "smollm2_artifact_cpu_int4_gptq",
+        "smollm2_gptq",
+        (PUBLISHED_PPL["gptq"] * (1 - PPL_REL_TOL), PUBLISHED_PPL["gptq"] * (1 + PPL_REL_TOL)),
+    ),
+    "int4-awq": ("smollm2_artifact_cpu_int4_awq", "smollm2_awq_packed", AWQ_RTN_PPL_RANGE),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    loaded: LoadedModel
+    reference: Any  # transformers LlamaForCausalLM, fp32
+    ppl_range: tuple[float, float]
+
+    def prompt_ids(self) -> list[list[int]]:
+        tok = self.loaded.tokenizer
+        assert tok is not None
+        chat = apply_chat_template(tok, [{"role": "user", "content": FRANCE}])
+        return [chat] + [tok(p, add_special_tokens=False)["input_ids"] for p in TEXT_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest) -> Case:
+    torch.set_num_threads(2)
+    artifact_fixture, source_fixture, ppl_range = CASES[request.param]
+    artifact: Path = request.getfixturevalue(artifact_fixture)
+    source: Path = request.getfixturevalue(source_fixture)
+    return Case(request.param, load_model(artifact), reference_model(source), ppl_range)
+
+
+@torch.inference_mode()
+def _reference_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.inference_mode()
+def test_logits_match_reference(case: Case) -> None:
+    logits_fn = runtime_logits_fn(case.loaded)
+    for ids in case.prompt_ids():
+        x = torch.tensor([ids])
+        got = logits_fn(x)[0].float()  # (T, V)
+        want = case.reference(x).logits[0].float()
+        diff = (got - want).abs()
+        assert diff.max().item() <= LOGITS_MAX_ABS_TOL, f"max |Δ| {diff.max().item():.3f}"
+        assert diff.mean().item() <= LOGITS_MEAN_ABS_TOL, f"mean |Δ| {diff.mean().item():.3f}"
+        chosen = want.gather(1, got.argmax(-1, keepdim=True))[:, 0]
+        margin = (want.max(-1).values - chosen).max().item()
+        assert margin <= ARGMAX_MARGIN_TOL, f"runtime argmax {margin:.3f} below the reference's max"
+
+
+def test_greedy_32_tokens_match_reference(case: Case) -> None:
+    for ids in case.prompt_ids():
+        got = generate_greedy(case.loaded, ids, GREEDY_TOKENS, ignore_eos=True).token_ids
+        want = _reference_greedy(case.reference, ids, GREEDY_TOKENS)
+        assert len(got) == GREEDY_TOKENS
+        tok = case.loaded.tokenizer
+        assert tok is not None
+        assert got == want, f"runtime {tok.decode(got)!r}\nreference {tok.decode(want)!r}"
+
+
+def _record_perplexity(name: str, result: dict[str, Any]) -> None:
+    from filelock import FileLock
+
+    PPL_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(PPL_RESULTS) + ".lock"):
+        data = json.loads(PPL_RESULTS.read_text()) if PPL_RESULTS.is_file() else {}
+        data[name] = result
+        PPL_RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_perplexity_on_gpl3(case: Case) -> None:
+    tok = case.loaded.tokenizer
+    assert tok is not None
+    result = text_perplexity(runtime_logits_fn(case.loaded), tok, checkpoints.PERPLEXITY_TEXT.read_text())
+    low, high = case.ppl_range
+    print(f"\nperplexity {case.name} ({case.loaded.manifest.artifact_id}): {result.perplexity:.3f}")
+    _record_perplexity(
+        case.name,
+        {
+            **result.to_json(),
+            "artifact_id": case.loaded.manifest.artifact_id,
+            "kernels": sorted({e.kernel for e in case.loaded.manifest.layers.values()}),
+            "expected_range": [low, high],
+        },
+    )
+    assert result.windows == 4 and result.tokens_scored == 4 * 511
+    assert low <= result.perplexity <= high, (
+        f"{case.name}: {result.perplexity:.3f} not in [{low:.3f}, {high:.3f}]"
+    )
+
+
+@pytest.mark.parametrize(
+    "artifact_fixture", ["smollm2_artifact_cpu_fp8_online", "smollm2_artifact_cpu_int4_gptq"]
+)
+def test_demo_answers_paris(artifact_fixture: str, request: pytest.FixtureRequest) -> None:
+    """The two artifacts `make demo` builds answer its question correctly through the demo's own path."""
+    from services.demo import answer
+
+    result = answer(request.getfixturevalue(artifact_fixture))
+    assert "Paris" in result.text, result.text
+    assert result.tokens > 0 and result.load_s > 0

@@ -1,0 +1,71 @@
+"""The embedded default (SQLite + local store + worker thread inside the API process) and the job
+runner's handling of transient faults, in-process against real SQLite/PostgreSQL and a real socket."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.settings import Settings
+from services.api.app import create_app
+from services.db import migrate, repo
+from services.db.session import session_scope
+from services.jobs import TransientJobError, run_job
+from services.storage.local import LocalStore
+from tests.services.conftest import create_token, free_port, make_settings, wait_for_job
+
+
+def test_embedded_api_converts_with_sqlite_and_a_local_store(
+    tmp_path: Path, tiny_checkpoint: Path, serve_app: Callable[..., str]
+) -> None:
+    settings = Settings(_env_file=None, data_dir=tmp_path / "var", environment="development")  # type: ignore[call-arg]
+    assert settings.resolved_database_url.startswith("sqlite:///") and not settings.broker_url
+    migrate.upgrade(settings.resolved_database_url)  # what `kiln api` does at start for SQLite
+    url = serve_app(create_app(settings))
+    token = create_token(settings)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["checks"]["broker"].startswith("embedded worker")
+        r = client.post("/v1/conversions", json={"source": str(tiny_checkpoint), "targets": ["cpu"]})
+        assert r.status_code == 202
+        job = wait_for_job(client, r.json()["id"], timeout=120)
+        assert job["status"] == "succeeded", job
+        [aid] = job["artifact_ids"]
+        store = LocalStore(settings.resolved_store_url)
+        assert store.list_ids() == [aid] and store.staging_entries() == []
+        detail = client.get(f"/v1/artifacts/{aid}").json()
+        assert detail["urls"]["manifest.json"].startswith("file://")
+        # A bad source fails the job with the converter's message, not a 5xx and not a hang.
+        bad = client.post("/v1/conversions", json={"source": str(tmp_path / "missing"), "targets": ["cpu"]})
+        failed = wait_for_job(client, bad.json()["id"], timeout=60)
+        assert failed["status"] == "failed" and "missing" in failed["error"]
+
+
+def test_unreachable_store_is_a_transient_error_that_keeps_the_job(
+    services_env: dict[str, str], tiny_checkpoint: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = make_settings({**services_env, "KILN_S3_ENDPOINT_URL": dead, "KILN_S3_MAX_ATTEMPTS": "1"})
+    with session_scope(settings) as s:
+        job_id = repo.submit_job(
+            s, source=str(tiny_checkpoint), targets=["cpu"], method="auto", tp=1, options={},
+            idempotency_key=None, token_id=None, max_attempts=2,
+        ).job.id  # fmt: skip
+    with pytest.raises(TransientJobError):
+        run_job(job_id, settings=settings)
+    with session_scope(settings) as s:
+        job = repo.get_job(s, job_id)
+        assert job is not None and job.status == "queued" and job.attempts == 1
+        assert job.error is not None and job.error.startswith("transient error on attempt 1")
+    with pytest.raises(TransientJobError):
+        run_job(job_id, settings=settings)
+    assert run_job(job_id, settings=settings) == "exhausted"  # the bound holds for retries too
+    with session_scope(settings) as s:
+        job = repo.get_job(s, job_id)
+        assert job is not None and job.status == "failed"
+        assert job.error is not None and job.error.startswith(
+            "failed after 2 attempts; last error: transient"
+        )
