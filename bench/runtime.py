@@ -12,14 +12,19 @@ Every system runs in its own subprocess, so each figure includes nothing of the 
   peak RSS     the decode process's peak resident set (ru_maxrss), mapped weights included.
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/checkpoints.py —
-bf16 passthrough, FP8 online, int4 from GPTQ — converted on first use and cached under
-.cache/kiln-test/artifacts); transformers on the bf16 source checkpoint in fp32 and in bf16; and
+bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — converted on first use and
+cached under .cache/kiln-test/artifacts); transformers on the bf16 source checkpoint in fp32 and in bf16; and
 llama.cpp through llama-cpp-python on the GGUF the checkpoints come from, when --llama-python (default
 /tmp/llamacpp-venv/bin/python) can import llama_cpp. llama-cpp-python's Python API decodes one sequence,
-so llama.cpp has no batch-8 figure. All systems use --threads threads.
+so llama.cpp has no batch-8 figure. All systems use --threads threads (default 2; on a busy machine
+use --threads 1: spinning OpenMP / ggml threads collapse when a core is taken away).
 
 For Kiln, the `kiln generate ARTIFACT --max-tokens 1` command's wall time (process start -> exit) is
 reported too: the same path as a user's first token, with the CLI's own imports.
+
+llama-cpp-python is not a project dependency (it compiles llama.cpp): put it in a throwaway venv,
+`python3 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install llama-cpp-python`
+(≈10 min on a quiet 2-core machine, 38 min on a busy one).
 
 Prints a table with ratios (Kiln / peer: > 1 means Kiln is faster) and saves bench/results/runtime.json.
 The machine is shared: the JSON records the load average before and after.
@@ -276,6 +281,7 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
         "bf16": (checkpoints.build_bf16, "auto"),
         "fp8": (checkpoints.build_bf16, "fp8"),
         "int4-gptq": (checkpoints.build_gptq, "auto"),
+        "int4-awq": (checkpoints.build_awq_packed, "auto"),
     }
     artifacts: dict[str, Path] = {}
     source: Path | None = None
@@ -347,6 +353,7 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         table.add_row(
             name,
             _fmt(r["cold_start_s"]),
+            _fmt(r.get("kiln_generate_cli_s")),
             _fmt(r.get("load_s")),
             _fmt(d.get("1")),
             _fmt(d.get("8")),
@@ -369,12 +376,11 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             rr[f"cold_start_vs_{peer}"] = results[peer]["cold_start_s"] / r["cold_start_s"]
         ratios[name] = rr
     ratio_table = Table(title="Ratios (peer time / Kiln time: > 1 means Kiln is faster)")
-    ratio_table.add_column("artifact")
-    cols = sorted({k for rr in ratios.values() for k in rr})
-    for c in cols:
-        ratio_table.add_column(c, justify="right")
-    for name, rr in ratios.items():
-        ratio_table.add_row(name, *(_fmt(rr.get(c), "x") for c in cols))
+    ratio_table.add_column("comparison")
+    for name in ratios:
+        ratio_table.add_column(name, justify="right")
+    for c in sorted({k for rr in ratios.values() for k in rr}):
+        ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
     console.print(ratio_table)
 
     goals = {}
@@ -408,6 +414,7 @@ def main() -> None:
         "--skip", action="append", default=[], help="system names to skip (e.g. transformers-bfloat16)"
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--report", type=Path, help="only print the tables of a saved results JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--cold-only", action="store_true", help=argparse.SUPPRESS)
@@ -416,7 +423,9 @@ def main() -> None:
         child_main(args)
         return
 
-    sys.path.insert(0, str(REPO))
+    if args.report:
+        report(json.loads(args.report.read_text())["results"])
+        return
     print("preparing artifacts and checkpoints ...", flush=True)
     artifacts = {}
     for spec in args.artifact:

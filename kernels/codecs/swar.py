@@ -6,6 +6,9 @@ so the hot layout preps instead move whole int32 words with contiguous vectorize
     transpose step), so an 8 x 8 nibble or 4 x 4 byte transpose is 2-3 rounds of six ops;
   * every prep works on blocks of rows small enough (`BLOCK_BYTES`) for their scratch to stay in
     cache, writing straight into its slice of the output;
+  * blocks are spread over `torch.get_num_threads()` Python threads, each running torch ops with
+    ONE intra-op thread: no OpenMP barrier per op, so a busy machine (where a spin-waiting OpenMP
+    team burns CPU waiting for a descheduled peer) costs only the lost share of the cores;
   * outputs bigger than glibc's mmap threshold come from `hugepage_empty` (numpy asks the kernel
     for transparent huge pages), which cuts their first-touch page-fault cost about six-fold.
 All functions here are exact bit permutations; their tests are the layouts' bit-exact tests.
@@ -13,7 +16,8 @@ All functions here are exact bit permutations; their tests are the layouts' bit-
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,6 +46,29 @@ def row_blocks(rows: int, row_bytes: int) -> Iterator[slice]:
     step = block_rows(rows, row_bytes)
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
+
+
+def for_each_block(rows: int, row_bytes: int, fn: Callable[[slice], None]) -> None:
+    """Call fn(block) for every row block, spread over torch.get_num_threads() Python threads.
+
+    fn must write only its own rows of the output; ops inside run with one intra-op thread.
+    """
+    blocks = list(row_blocks(rows, row_bytes))
+    threads = min(torch.get_num_threads(), len(blocks))
+    if threads <= 1:
+        for blk in blocks:
+            fn(blk)
+        return
+
+    def run(share: list[slice]) -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP team only
+        for blk in share:
+            fn(blk)
+
+    with ThreadPoolExecutor(threads) as pool:
+        for fut in [pool.submit(run, blocks[i::threads]) for i in range(threads)]:
+            fut.result()
+    torch.set_num_threads(torch.get_num_threads())  # re-publish the caller's count for new threads
 
 
 def delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, scratch: torch.Tensor) -> None:
@@ -81,11 +108,15 @@ def unpack4_transposed(packed: torch.Tensor) -> torch.Tensor:
     """(K / 8, N) int32 packed along K (standard nibble order) -> (N, K) uint8 codes."""
     kw, n = packed.shape
     out = hugepage_empty((n, kw * 4), torch.int16)  # (N, K / 2) int16 = (N, K) uint8
+
     words = hugepage_empty((n, kw), torch.int32)
-    words.copy_(packed.T)  # one blocked int32 transpose (torch's fast path for a whole 2-D transpose)
-    scratch = torch.empty(block_rows(n, kw * 4), kw * 4, dtype=torch.int16)
-    for blk in row_blocks(n, kw * 4):
-        nibbles_to_bytes(words[blk], out[blk], scratch[: blk.stop - blk.start])
+    words.copy_(packed.T)  # one whole 2-D int32 transpose: torch's blocked fast path
+
+    def block(blk: slice) -> None:
+        scratch = torch.empty(blk.stop - blk.start, kw * 4, dtype=torch.int16)
+        nibbles_to_bytes(words[blk], out[blk], scratch)
+
+    for_each_block(n, 4 * kw, block)
     return out.view(torch.uint8).view(n, kw * 8)
 
 
@@ -103,16 +134,14 @@ def awq4_to_standard_rows(qweight: torch.Tensor) -> torch.Tensor:
     kw = k // 8
     out = hugepage_empty((kw, w, 8), torch.int32)
     src = qweight.view(kw, 8, w)
-    step = block_rows(kw, 32 * w)
-    work = torch.empty(step, 8, w, dtype=torch.int32)
-    scratch = torch.empty(step, 4, w, dtype=torch.int32)
-    for blk in row_blocks(kw, 32 * w):
-        rows = blk.stop - blk.start
-        v = work[:rows]
-        v.copy_(src[blk])
-        nibble_transpose8(v, scratch[:rows])
+
+    def block(blk: slice) -> None:
+        v = src[blk].clone()
+        nibble_transpose8(v, torch.empty(v.shape[0], 4, w, dtype=torch.int32))
         for i, col in enumerate(_AWQ4_COLUMN):
             out[blk, :, col].copy_(v[:, i])
+
+    for_each_block(kw, 32 * w, block)
     return out.view(kw, 8 * w)  # (K / 8, N) int32
 
 
@@ -127,15 +156,13 @@ def marlin_repack4_words(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
     kt, nt = k // 16, n // 64
     out = hugepage_empty((kt, nt, 8, 4, 4), torch.int32)  # [kt, nt, cq, b, w]
     view = src.view(kt, 2, nt, 4, 2, 8)  # [kt, rp, nt, w, h, cq]
-    step = block_rows(kt, 8 * n)
-    quads = torch.empty(2, 2, step, nt, 4, 8, dtype=torch.int32)  # [rp, h, kt, nt, w, cq]
-    planes = torch.empty(4, step, nt, 4, 8, dtype=torch.int32)  # [byte j, kt, nt, w, cq]
-    tmp = torch.empty(step, nt, 4, 8, dtype=torch.int32)
-    for blk in row_blocks(kt, 8 * n):
+
+    def block(blk: slice) -> None:
         r = blk.stop - blk.start
-        q = quads[:, :, :r]
+        q = torch.empty(2, 2, r, nt, 4, 8, dtype=torch.int32)  # [rp, h, kt, nt, w, cq]
         q.copy_(view[blk].permute(1, 4, 0, 2, 3, 5))
-        p, t = planes[:, :r], tmp[:r]
+        p = torch.empty(4, r, nt, 4, 8, dtype=torch.int32)  # [byte j, kt, nt, w, cq]
+        t = torch.empty(r, nt, 4, 8, dtype=torch.int32)
         for j, (lo, hi) in enumerate((((0, 0), (1, 0)), ((0, 1), (1, 1)))):
             a, b = q[lo], q[hi]
             torch.bitwise_and(a, _LO_NIBBLES, out=p[j])  # low nibbles: a.lo | b.lo << 4
@@ -148,6 +175,8 @@ def marlin_repack4_words(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
         delta_swap(pv[0], pv[1], 16, 0x0000FFFF, s)
         delta_swap(pv[:, 0], pv[:, 1], 8, 0x00FF00FF, s)
         out[blk].copy_(p.permute(1, 2, 4, 0, 3))
+
+    for_each_block(kt, 8 * n, block)
     return out.view(kt, n * 2)  # (K / 16, N * 16 / 8) int32
 
 
@@ -161,17 +190,17 @@ def marlin_repack8_words(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
     kt, nt = k // 16, n // 64
     out = hugepage_empty((kt, nt, 8, 2, 2, 4, 2), torch.int32)  # [kt, nt, tq, trh, trl, w, h]
     view = src.view(kt, 2, 2, nt, 4, 2, 8)  # [kt, t0, trh, nt, w, h, tq]
-    step = block_rows(kt, 16 * n)
-    pair = torch.empty(2, step, 2, nt, 4, 2, 8, dtype=torch.int32)  # [t0 -> trl after the swap, ...]
-    scratch = torch.empty(2, step, 2, nt, 4, 2, 8, dtype=torch.int32)
-    for blk in row_blocks(kt, 16 * n):
-        r = blk.stop - blk.start
-        p, s = pair[:, :r], scratch[:, :r]
-        p.copy_(view[blk].transpose(0, 1))
+
+    def block(blk: slice) -> None:
+        p = torch.empty(2, blk.stop - blk.start, 2, nt, 4, 2, 8, dtype=torch.int32)
+        p.copy_(view[blk].transpose(0, 1))  # [t0 -> trl after the swap, kt, trh, nt, w, h, tq]; a copy
+        s = torch.empty_like(p)
         delta_swap(p[0], p[1], 16, 0x0000FFFF, s[0])  # p[trl] = [x(trl,0), x(trl,1), y(trl,0), y(trl,1)]
         torch.bitwise_right_shift(p, 8, out=s)  # swap bytes 1 and 2 of every word
         s.bitwise_xor_(p).bitwise_and_(0x0000FF00)
         p.bitwise_xor_(s)
         p.bitwise_xor_(s.bitwise_left_shift_(8))
         out[blk].copy_(p.permute(1, 3, 6, 2, 0, 4, 5))
+
+    for_each_block(kt, 16 * n, block)
     return out.view(kt, n * 4)  # (K / 16, N * 16 / 4) int32

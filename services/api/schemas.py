@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,7 @@ assert set(TargetName.__args__) == {t.value for t in Target}  # type: ignore[att
 KernelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,64}$")]
 # s3://bucket[/prefix] or an absolute path; no whitespace or control characters anywhere.
 SOURCE_PATTERN = r"^(?:s3://[A-Za-z0-9._-]+(?:/[^\x00-\x20\x7f]*)?|/[^\x00-\x20\x7f]*)$"
+_SOURCE_RE = re.compile(SOURCE_PATTERN)
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
@@ -31,7 +33,7 @@ class ConversionCreate(BaseModel):
     source: str = Field(
         min_length=1,
         max_length=2048,
-        pattern=SOURCE_PATTERN,
+        json_schema_extra={"pattern": SOURCE_PATTERN},  # checked below, with an actionable message
         description="Checkpoint location: s3://bucket/prefix, or an absolute directory on the server "
         "(allowed outside production unless KILN_ALLOW_LOCAL_SOURCES=false)",
         examples=["s3://checkpoints/SmolLM2-135M-Instruct"],
@@ -40,6 +42,16 @@ class ConversionCreate(BaseModel):
     method: Literal["auto", "fp8"] = "auto"
     tp: int = Field(default=1, ge=1, le=64)
     options: ConversionOptions = Field(default_factory=ConversionOptions)
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str) -> str:
+        if not _SOURCE_RE.fullmatch(v):
+            raise ValueError(
+                "must be s3://bucket/prefix or an absolute server path, "
+                "without whitespace or control characters"
+            )
+        return v
 
     @field_validator("targets")
     @classmethod

@@ -20,6 +20,7 @@ from services.convert.formats.base import CheckpointFormat
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
 from services.storage import open_source, open_store
+from services.storage.local import STAGING_DIR, LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ def convert(
     if progress:
         progress(Progress("hashing", 0, 0, 0, ckpt.total_bytes, "sha256 of the source files"))
     ckpt.file_hashes()
+    if workdir is None and isinstance(store, LocalStore):
+        workdir = store.root / STAGING_DIR  # same filesystem: finished rank files are renamed, not copied
+        workdir.mkdir(parents=True, exist_ok=True)
     results = []
     for p in plans:
         log.info("converting %s for %s (tp=%d, method=%s)", req.source, p.target.value, p.tp, p.method)

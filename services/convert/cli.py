@@ -177,7 +177,7 @@ def convert_cmd(
         return
     table = Table(title="Kiln artifacts")
     for col in ("target", "tp", "artifact id", "kernels", "verified", "size", "where"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in ("artifact id", "size"), overflow="fold")
     for r in results:
         m = r.manifest
         kernels: dict[str, int] = {}

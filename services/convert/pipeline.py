@@ -194,7 +194,8 @@ def convert_plan(
     cancelled = should_cancel or (lambda: False)
     started = time.monotonic()
     writer = store.begin(aid)
-    scratch = Path(tempfile.mkdtemp(prefix=f"kiln-{aid}-", dir=workdir))
+    # named like the store's staging entries ({id}-...), so a dead attempt's leftovers are found by id
+    scratch = Path(tempfile.mkdtemp(prefix=f"{aid}-scratch-", dir=workdir))
     rank_writers = [StreamingSafetensorsWriter(scratch / f"rank{r}.safetensors") for r in range(plan.tp)]
     total = len(plan.layers) + 1
     bytes_total = sum(ckpt.info(t).nbytes for pl in plan.layers for t in pl.source_tensors) + sum(
@@ -210,7 +211,11 @@ def convert_plan(
                 )
             entries[pl.name] = convert_layer(ckpt, fmt, plan, pl, rank_writers)
             bytes_done += sum(ckpt.info(t).nbytes for t in pl.source_tensors)
-            report(Progress("converting", i + 1, total, bytes_done, bytes_total, pl.name))
+            report(
+                Progress(
+                    "converting", i + 1, total, bytes_done, bytes_total, f"{plan.target.value}: {pl.name}"
+                )
+            )
         if cancelled():
             raise Cancelled(f"conversion of {plan.source} for {plan.target.value} cancelled")
         for name in plan.other_tensors:
@@ -222,7 +227,7 @@ def convert_plan(
         files: list[FileEntry] = []
         for rank, w in enumerate(rank_writers):
             path = w.finish()
-            size, digest = writer.put_file(path.name, path, move=True)
+            size, digest = writer.put_file(path.name, path, move=True, sha256=w.sha256)
             files.append(FileEntry(name=path.name, size=size, sha256=digest, rank=rank))
         for name in ["config.json", *ckpt.present_side_files()]:
             size, digest = writer.put_bytes(name, ckpt.source.read_bytes(name))

@@ -10,6 +10,7 @@ element size so every tensor starts aligned to its element size, copied in chunk
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Callable
@@ -103,6 +104,8 @@ class StreamingSafetensorsWriter:
         self._entries: dict[str, tuple[str, list[int], int, int]] = {}  # name -> dtype, shape, off, len
         self._offset = 0
         self.metadata = metadata or {"format": "pt"}
+        self.sha256 = ""  # of the finished file
+        self.size = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
@@ -133,9 +136,11 @@ class StreamingSafetensorsWriter:
             pos += length
         hbytes = json.dumps(header, separators=(",", ":")).encode()
         hbytes += b" " * (-len(hbytes) % 8)
+        h = hashlib.sha256()
         with self.path.open("wb") as out, self.scratch.open("rb") as src:
-            out.write(struct.pack("<Q", len(hbytes)))
-            out.write(hbytes)
+            for block in (struct.pack("<Q", len(hbytes)), hbytes):
+                out.write(block)
+                h.update(block)
             for _name, (_dtype, _shape, off, length) in ordered:
                 src.seek(off)
                 left = length
@@ -144,7 +149,10 @@ class StreamingSafetensorsWriter:
                     if not block:
                         raise ConversionError(f"scratch file for {self.path.name} is truncated")
                     out.write(block)
+                    h.update(block)
                     left -= len(block)
+            self.size = out.tell()
+        self.sha256 = h.hexdigest()
         self.scratch.unlink()
         return self.path
 

@@ -24,8 +24,11 @@ class ArtifactWriter(ABC):
     """Stages one artifact's files; nothing is visible until `commit`."""
 
     @abstractmethod
-    def put_file(self, name: str, path: Path, *, move: bool = False) -> tuple[int, str]:
-        """Stage a local file under `name`; returns (size, sha256). `move` may consume `path`."""
+    def put_file(
+        self, name: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> tuple[int, str]:
+        """Stage a local file under `name`; returns (size, sha256). `move` may consume `path`;
+        `sha256`, when the caller already computed it while writing the file, skips re-hashing."""
 
     @abstractmethod
     def put_bytes(self, name: str, data: bytes) -> tuple[int, str]:

@@ -53,10 +53,12 @@ class LocalWriter(ArtifactWriter):
         dest.parent.mkdir(parents=True, exist_ok=True)
         return dest
 
-    def put_file(self, name: str, path: Path, *, move: bool = False) -> tuple[int, str]:
+    def put_file(
+        self, name: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> tuple[int, str]:
         dest = self._dest(name)
         if move:
-            size, digest = _hash_file(path)
+            size, digest = (path.stat().st_size, sha256) if sha256 else _hash_file(path)
             try:
                 os.replace(path, dest)
                 return size, digest
@@ -136,6 +138,14 @@ class LocalStore(ArtifactStore):
 
     def list_ids(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if (p / MANIFEST_NAME).is_file())
+
+    def discard_staged(self, aid: str) -> int:
+        """Remove what earlier (dead) writers staged for `aid`; returns how many entries were removed."""
+        check_artifact_id(aid)
+        gone = [e for e in self.staging_entries() if e.name.startswith(f"{aid}-")]
+        for entry in gone:
+            shutil.rmtree(entry, ignore_errors=True)
+        return len(gone)
 
     def staging_entries(self) -> list[Path]:
         """Leftover staging directories (for tests and cleanup tools)."""

@@ -102,14 +102,17 @@ class S3Writer(ArtifactWriter):
         self.names.append(name)
         return join_prefix(self.staging, name)
 
-    def put_file(self, name: str, path: Path, *, move: bool = False) -> tuple[int, str]:
+    def put_file(
+        self, name: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> tuple[int, str]:
         key = self._key(name)
-        h = hashlib.sha256()
-        size = 0
-        with path.open("rb") as f:
-            while block := f.read(HASH_CHUNK):
-                h.update(block)
-                size += len(block)
+        size = path.stat().st_size
+        if sha256 is None:
+            h = hashlib.sha256()
+            with path.open("rb") as f:
+                while block := f.read(HASH_CHUNK):
+                    h.update(block)
+            sha256 = h.hexdigest()
         self.store.client.upload_file(
             str(path),
             self.store.bucket,
@@ -119,7 +122,7 @@ class S3Writer(ArtifactWriter):
         )
         if move:
             path.unlink(missing_ok=True)
-        return size, h.hexdigest()
+        return size, sha256
 
     def put_bytes(self, name: str, data: bytes) -> tuple[int, str]:
         key = self._key(name)
@@ -245,6 +248,13 @@ class S3Store(ArtifactStore):
             if name == MANIFEST_NAME and not aid.startswith("."):
                 ids.append(aid)
         return sorted(ids)
+
+    def discard_staged(self, aid: str) -> int:
+        """Remove objects earlier (dead) writers staged for `aid`; returns how many were removed."""
+        check_artifact_id(aid)
+        keys = self.list_keys(join_prefix(self.prefix, STAGING_PREFIX, f"{aid}-"))
+        self.delete_keys(keys)
+        return len(keys)
 
     def staging_keys(self) -> list[str]:
         """Leftover staged objects (for tests and cleanup tools)."""

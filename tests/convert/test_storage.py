@@ -126,3 +126,18 @@ def test_s3_source_streams_ranges(s3_bucket: str) -> None:
     assert src.sha256("model.bin") == hashlib.sha256(bytes(range(200))).hexdigest()
     with pytest.raises(NotFoundError):
         open_source(f"s3://{s3_bucket}/nothing-here", settings).list()
+
+
+def test_discard_staged_removes_a_dead_writers_files(tmp_path: Path, s3_bucket: str) -> None:
+    local = LocalStore(tmp_path / "store")
+    s3 = open_store(f"s3://{s3_bucket}/a", _settings())
+    assert isinstance(s3, S3Store)
+    for store in (local, s3):
+        dead = store.begin("ka-dead")  # a writer whose process was killed: never commits nor aborts
+        dead.put_bytes("rank0.safetensors", b"partial")
+        other = store.begin("ka-other")
+        other.put_bytes("config.json", b"{}")
+        assert store.discard_staged("ka-dead") == 1
+        assert not store.exists("ka-dead")
+        other.abort()
+    assert local.staging_entries() == [] and s3.staging_keys() == []

@@ -221,13 +221,20 @@ def test_check_marlin_shape_row_parallel_split() -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_repack_across_row_blocks_and_hugepage_outputs(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # tiny blocks: several blocks plus a shorter last one; every output numpy-backed
+@pytest.mark.parametrize("k_tiles", [1, 7])
+def test_repack_across_row_blocks_and_hugepage_outputs(
+    bits: int, k_tiles: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tiny blocks: several blocks plus a shorter last one (or a single 1-row block); every output
+    # numpy-backed; the input must come back untouched (blocks work on copies)
     from kernels.codecs import swar
 
     monkeypatch.setattr(swar, "BLOCK_BYTES", 3000)
     monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
-    k, n = 16 * 7, 64 * 3
+    k, n = 16 * k_tiles, 64 * 3
     q = _codes(11 + bits, k, n, bits)
-    out = marlin_repack(pack_rows(q, bits), bits)
+    std = pack_rows(q, bits)
+    before = std.clone()
+    out = marlin_repack(std, bits)
     assert torch.equal(out, ref_marlin_closed_form(q, bits))
+    assert torch.equal(std, before)

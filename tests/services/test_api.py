@@ -62,7 +62,7 @@ def test_422_names_the_field(client: httpx.Client) -> None:
     r = client.post("/v1/conversions", json=body(source="relative/dir"))
     assert r.status_code == 422
     err = r.json()["detail"][0]
-    assert err["loc"] == ["body", "source"] and "absolute" in err["msg"]
+    assert err["loc"] == ["body", "source"] and "absolute server path" in err["msg"]
     r = client.post("/v1/conversions", json={**body(), "tp": 0})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "tp"]
 

@@ -18,7 +18,7 @@ from tests.services.conftest import REPO, wait_for_job
 from tests.services.stack import Stack
 
 PROMPT = "What is the capital of France? Answer in one sentence."
-CONVERT_TIMEOUT_S = 400
+CONVERT_TIMEOUT_S = 900
 
 
 @pytest.mark.slow  # ≈2–4 min on 2 shared cores; the synthetic end-to-end test runs in `make test`
