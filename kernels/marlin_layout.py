@@ -24,7 +24,7 @@ from functools import cache
 import torch
 
 from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
-from kernels.codecs.swar import marlin_repack4_words, marlin_repack8_words
+from kernels.codecs.swar import marlin_repack4_words, marlin_repack8_words, serial_ops
 from kernels.errors import LayoutError
 
 MARLIN_TILE = 16
@@ -46,12 +46,13 @@ def marlin_repack(qweight_std: torch.Tensor, bits: int, perm: torch.Tensor | Non
     8-bit input may be any int32 pattern (e.g. raw e4m3 bytes viewed as int32 for FP8 Marlin).
     """
     k, n = _check_weight(qweight_std, bits)
-    src = qweight_std.contiguous()
-    if perm is not None and perm.numel():
-        src = _permute_packed_rows(src, bits, k, perm)
-    if bits == 4:
-        return marlin_repack4_words(src, k, n)
-    return marlin_repack8_words(src, k, n)
+    with serial_ops():
+        src = qweight_std.contiguous()
+        if perm is not None and perm.numel():
+            src = _permute_packed_rows(src, bits, k, perm)
+        if bits == 4:
+            return marlin_repack4_words(src, k, n)
+        return marlin_repack8_words(src, k, n)
 
 
 def marlin_unrepack(qweight_marlin: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerBase
 
 from kernels.errors import KilnError
 
@@ -15,7 +14,7 @@ class ChatTemplateError(KilnError):
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Any,  # runtime.tokenizer.ArtifactTokenizer or a transformers tokenizer
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,

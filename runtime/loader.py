@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from kernels.base import Target
 from kernels.errors import KilnError
@@ -137,7 +136,7 @@ def default_device(manifest: Manifest) -> str:
 class LoadedModel:
     model: LlamaForCausalLM
     manifest: Manifest
-    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer: Any
     config: ModelConfig
     artifact_dir: Path = Path()
     device: str = "cpu"
@@ -151,7 +150,7 @@ class LoadedModel:
 
 
 def _eos_ids(
-    artifact_dir: Path, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase | None
+    artifact_dir: Path, hf_config: dict[str, Any], tokenizer: Any
 ) -> tuple[int, ...]:
     ids: set[int] = set()
 

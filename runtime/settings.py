@@ -77,8 +77,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Settings:
-        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
-            raise ValueError("KILN_SECRET_KEY is the default; set a real secret in production")
+        if self.environment != "development" and self.secret_key == DEFAULT_SECRET:
+            raise ValueError(
+                f"KILN_SECRET_KEY is the default {DEFAULT_SECRET!r}; set a real secret "
+                f"(KILN_ENVIRONMENT={self.environment} refuses default secrets)"
+            )
         return self
 
     @property

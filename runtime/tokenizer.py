@@ -1,22 +1,145 @@
 """The tokenizer shipped inside an artifact (copied from the source checkpoint), loaded offline,
-and incremental detokenization that never emits half of a multi-byte character."""
+and incremental detokenization that never emits half of a multi-byte character.
+
+`load_tokenizer` reads `tokenizer.json` with the `tokenizers` library and renders the chat template
+with jinja2 (`ArtifactTokenizer`): importing transformers costs seconds and ≈200 MB, most of a cold
+start. It keeps the slice of transformers' tokenizer API the runtime uses (`__call__`, `decode`,
+`convert_ids_to_tokens`, `convert_tokens_to_string`, `apply_chat_template`, the special tokens).
+Artifacts without `tokenizer.json` (SentencePiece-only sources) fall back to transformers'
+`AutoTokenizer`.
+"""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import Any
 
 from kernels.errors import KilnError
 
 REPLACEMENT_CHAR = "\ufffd"
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 class TokenizerError(KilnError):
     """The artifact has no usable tokenizer files."""
 
 
-def load_tokenizer(artifact_dir: Path) -> PreTrainedTokenizerBase:
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json writes a special token as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaise(message)
+
+
+class TemplateRaise(ValueError):
+    """`raise_exception(...)` called by a chat template (transformers raises TemplateError)."""
+
+
+class ArtifactTokenizer:
+    """A `tokenizers.Tokenizer` plus the tokenizer_config.json facts transformers would add."""
+
+    def __init__(self, tokenizer: Any, config: dict[str, Any], chat_template: str | None) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.config = config
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = (
+            _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES
+        )
+        self.eos_token_id = self._id(self.eos_token)
+        self.bos_token_id = self._id(self.bos_token)
+        self.pad_token_id = self._id(self.pad_token)
+        self._template: Any = None
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def __len__(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self._tok.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        decoder = self._tok.decoder
+        return str(decoder.decode(tokens)) if decoder is not None else "".join(tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render like transformers: sandboxed jinja2, trim_blocks + lstrip_blocks, loop controls."""
+        if not self.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        if self._template is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii
+            )
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        special = {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES}
+        text = self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_chat_template(artifact_dir: Path, config: dict[str, Any]) -> str | None:
+    jinja = artifact_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def load_tokenizer(artifact_dir: Path) -> Any:
+    """The artifact's tokenizer: `ArtifactTokenizer` from tokenizer.json, else transformers'."""
+    artifact_dir = Path(artifact_dir)
+    tokenizer_json = artifact_dir / "tokenizer.json"
+    if tokenizer_json.is_file():
+        from tokenizers import Tokenizer
+
+        config_path = artifact_dir / "tokenizer_config.json"
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+            return ArtifactTokenizer(
+                Tokenizer.from_file(str(tokenizer_json)), config, _read_chat_template(artifact_dir, config)
+            )
+        except Exception as e:  # tokenizers raises plain Exception on bad JSON
+            raise TokenizerError(
+                f"{tokenizer_json}: cannot load the tokenizer ({e}); re-convert the checkpoint"
+            ) from e
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(artifact_dir), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -35,7 +158,7 @@ class IncrementalDetokenizer:
     spaces depending on the preceding token (SentencePiece) correct.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], window: int = 6) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], window: int = 6) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-window:])
         self.prefix_offset = 0
@@ -43,7 +166,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)

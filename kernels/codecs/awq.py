@@ -15,7 +15,7 @@ import torch
 
 from kernels.base import IntWeight
 from kernels.codecs.bitpack import pack_cols, pack_rows
-from kernels.codecs.swar import awq4_to_standard_rows
+from kernels.codecs.swar import awq4_to_standard_rows, serial_ops
 from kernels.errors import LayoutError
 
 AWQ_PACK_ORDER: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
@@ -73,12 +73,13 @@ def awq_to_standard(
              zero_point (N * bits / 32, G) int32, the compressed-tensors weight_zero_point layout).
     """
     _check(qweight, qzeros, bits)
-    zeros = awq_unpack(qzeros, bits)  # (G, N)
-    if bits == 4 and qweight.shape[0] % 8 == 0:  # fast path: one nibble transpose per 8 rows x 1 word
-        qweight_std = awq4_to_standard_rows(qweight.contiguous())
-    else:
-        qweight_std = pack_rows(awq_unpack(qweight, bits), bits)
-    return qweight_std, pack_rows(zeros.T, bits)
+    with serial_ops():
+        zeros = awq_unpack(qzeros, bits)  # (G, N)
+        if bits == 4 and qweight.shape[0] % 8 == 0:  # fast path: one nibble transpose per 8 rows x 1 word
+            qweight_std = awq4_to_standard_rows(qweight.contiguous())
+        else:
+            qweight_std = pack_rows(awq_unpack(qweight, bits), bits)
+        return qweight_std, pack_rows(zeros.T, bits)
 
 
 def awq_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.base import IntWeight
 from kernels.codecs.bitpack import pack_cols, packed_capacity, unpack_cols
-from kernels.codecs.swar import unpack4_transposed
+from kernels.codecs.swar import serial_ops, unpack4_transposed
 from kernels.errors import LayoutError
 
 
@@ -31,6 +31,21 @@ def decode_gptq(
     v2: bool,
 ) -> IntWeight:
     """Unpack one GPTQ layer. `v2` selects the checkpoint_format "gptq_v2" zero convention."""
+    with serial_ops():
+        return _decode_gptq(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size, sym=sym, v2=v2)
+
+
+def _decode_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    v2: bool,
+) -> IntWeight:
     _check_int32("qweight", qweight)
     _check_int32("qzeros", qzeros)
     k = packed_capacity(qweight.shape[0], bits)

@@ -16,8 +16,10 @@ All functions here are exact bit permutations; their tests are the layouts' bit-
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -48,13 +50,38 @@ def row_blocks(rows: int, row_bytes: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
-def for_each_block(rows: int, row_bytes: int, fn: Callable[[slice], None]) -> None:
-    """Call fn(block) for every row block, spread over torch.get_num_threads() Python threads.
+_planned = threading.local()  # .threads: block threads chosen by `serial_ops` in this thread
 
-    fn must write only its own rows of the output; ops inside run with one intra-op thread.
+
+@contextmanager
+def serial_ops() -> Iterator[int]:
+    """Run torch ops of the calling thread with one intra-op thread; restore the count on exit.
+
+    Yields the caller's thread count, which `for_each_block` inside the context uses for its block
+    threads: small side ops (zero points, checks) then never start an OpenMP team, whose
+    spin-waiting peers burn CPU for nothing on a busy machine.
+    """
+    threads = torch.get_num_threads()
+    outer = getattr(_planned, "threads", None)
+    _planned.threads = outer or threads
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield _planned.threads
+    finally:
+        _planned.threads = outer
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def for_each_block(rows: int, row_bytes: int, fn: Callable[[slice], None]) -> None:
+    """Call fn(block) for every row block, spread over Python threads (the thread count of the
+    enclosing `serial_ops`, else torch.get_num_threads()), each with one intra-op thread.
+
+    fn must write only its own rows of the output.
     """
     blocks = list(row_blocks(rows, row_bytes))
-    threads = min(torch.get_num_threads(), len(blocks))
+    threads = min(getattr(_planned, "threads", None) or torch.get_num_threads(), len(blocks))
     if threads <= 1:
         for blk in blocks:
             fn(blk)
@@ -65,10 +92,11 @@ def for_each_block(rows: int, row_bytes: int, fn: Callable[[slice], None]) -> No
         for blk in share:
             fn(blk)
 
+    caller = torch.get_num_threads()
     with ThreadPoolExecutor(threads) as pool:
         for fut in [pool.submit(run, blocks[i::threads]) for i in range(threads)]:
             fut.result()
-    torch.set_num_threads(torch.get_num_threads())  # re-publish the caller's count for new threads
+    torch.set_num_threads(caller)  # re-publish the caller's count (workers changed the global default)
 
 
 def delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, scratch: torch.Tensor) -> None:
