@@ -10,11 +10,13 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-DEFAULT_SECRET = "change-me"
+# Development credentials shipped in docker-compose.yml / MinIO defaults: refused outside development.
+DEFAULT_SECRETS = frozenset({"change-me", "changethis", "kiln", "kiln-secret", "minioadmin", "postgres"})
 
 
 class Settings(BaseSettings):
@@ -56,7 +58,6 @@ class Settings(BaseSettings):
     convert_layer_delay_s: float = 0.0
 
     # --- API --------------------------------------------------------------------------------
-    secret_key: str = DEFAULT_SECRET
     max_request_bytes: int = 1 << 20
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api_page_size_max: int = 200
@@ -77,9 +78,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Settings:
-        if self.environment != "development" and self.secret_key == DEFAULT_SECRET:
+        """Outside development, the development credentials of docker-compose.yml are refused."""
+        if self.environment == "development":
+            return self
+        password = urlsplit(self.database_url).password if self.database_url else None
+        offenders = []
+        if password in DEFAULT_SECRETS:
+            offenders.append("the password in KILN_DATABASE_URL")
+        if self.s3_secret_access_key in DEFAULT_SECRETS:
+            offenders.append("KILN_S3_SECRET_ACCESS_KEY")
+        if offenders:
             raise ValueError(
-                f"KILN_SECRET_KEY is the default {DEFAULT_SECRET!r}; set a real secret "
+                f"{' and '.join(offenders)} is a default development secret; set a real one "
                 f"(KILN_ENVIRONMENT={self.environment} refuses default secrets)"
             )
         return self

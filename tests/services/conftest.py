@@ -132,7 +132,6 @@ def services_env(
     """Environment of service processes: PostgreSQL, Redis (own queue), S3 store, short timeouts."""
     env = {
         "KILN_ENVIRONMENT": "test",
-        "KILN_SECRET_KEY": secrets.token_hex(16),
         "KILN_DATABASE_URL": clean_db,
         "KILN_BROKER_URL": redis_url,
         "KILN_CELERY_QUEUE": f"kiln-test-{secrets.token_hex(4)}",
