@@ -35,6 +35,8 @@ Stored tensors:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
@@ -90,6 +92,29 @@ class CpuFp8Kernel(LinearKernel):
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         w = tensors["weight"].float()
         return w * tensors["scale"][:, None] if "scale" in tensors else w
+
+    def bind_apply(
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`apply` with the tensors resolved once (the runtime's hot path). With bf16 activations the
+        per-channel scale multiplies the bf16 GEMM output in place: the product is computed in fp32
+        and rounded to bf16 once, the same value `apply` returns."""
+        w = tensors["weight"]
+        scale = tensors.get("scale")
+        bias = tensors.get("bias")
+        linear = torch.nn.functional.linear
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = linear(x if x.dtype == w.dtype else x.to(w.dtype), w)
+            if bias is None and y.dtype == x.dtype:
+                return y.mul_(scale) if scale is not None else y
+            if scale is not None:
+                y = y.float() * scale
+            if bias is not None:
+                y = y.float() + bias
+            return y.to(x.dtype)
+
+        return run
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         w = tensors["weight"]

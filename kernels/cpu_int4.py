@@ -35,6 +35,7 @@ Stored tensors:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -266,6 +267,41 @@ class CpuInt4Kernel(LinearKernel):
                 yf = yf + bias
             y = yf
         return y.to(x.dtype).reshape(*lead, n)
+
+    def bind_apply(
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`apply` with everything resolved once (the runtime's hot path): repacks for this CPU now
+        if needed, then each call is the op plus, for asymmetric layers, one fused addmm."""
+        if stored_pack_format(tensors) != runtime_pack_format():
+            _repack_for_this_cpu(tensors, spec)
+        k, n = spec.k, spec.n
+        qweight, sz = tensors["qweight"], tensors["scales_and_zeros"]
+        op_group = k // sz.shape[0]
+        perm = tensors.get("perm")
+        offsets = tensors.get("zero_offsets")  # (G, N) fp32
+        bias = tensors.get("bias")
+        groups = offsets.shape[0] if offsets is not None else 1
+        int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        bf16 = torch.bfloat16
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, k)
+            if perm is not None:
+                x2 = x2.index_select(-1, perm)
+            if x2.dtype != bf16:
+                x2 = x2.to(bf16)
+            x2 = x2.contiguous()
+            y = int4_mm(x2, qweight, op_group, sz)  # (M, N) bf16
+            if offsets is not None:  # y + group_sums(x) @ zero_offsets, summed in fp32
+                group_sums = x2.view(-1, groups, k // groups).sum(-1, dtype=torch.float32)  # (M, G)
+                y = torch.addmm(y.float(), group_sums, offsets)
+            if bias is not None:
+                y = y.float().add_(bias)
+            return y.to(x.dtype).view(*lead, n)
+
+        return run
 
 
 def _repack_for_this_cpu(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> None:

@@ -121,6 +121,14 @@ class KVCache:
         self.k[layer][slots, :, positions] = self._store(k, self.k_scale[layer])
         self.v[layer][slots, :, positions] = self._store(v, self.v_scale[layer])
 
+    def write_decode_one(
+        self, layer: int, slot: int, position: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """k, v: (kv_heads, head_dim), the new position of one sequence (batch-1 decode)."""
+        self._record(layer, k, v)
+        self.k[layer][slot, :, position] = self._store(k, self.k_scale[layer])
+        self.v[layer][slot, :, position] = self._store(v, self.v_scale[layer])
+
     def read(self, layer: int, slots: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, kv_heads, length, head_dim) keys and values in the compute dtype."""
         k = self.k[layer][slots, :, :length]

@@ -8,6 +8,7 @@ copied once, host to device, straight from the mapping. The safetensors header i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import mmap
@@ -24,7 +25,7 @@ from kernels.errors import KilnError
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
 from runtime.kv_cache import KvCacheDtype
-from runtime.model import LlamaForCausalLM, ModelConfig
+from runtime.model import LlamaForCausalLM, ModelConfig, residual_dtype
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,10 +123,42 @@ def _capability() -> int:
     return major * 10 + minor
 
 
+# CPU kernels whose fast path takes bf16 activations (torch's int4 / int8 ops are only vectorized
+# for bf16; cpu_fp8 stores bf16 weights): they would round an fp32 x to bf16 on every call anyway.
+BF16_ACTIVATION_KERNELS = frozenset({"cpu_int4", "cpu_int8", "cpu_fp8"})
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 dot products (else oneDNN emulates bf16 and fp32 is faster)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
 def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
-    """Activation dtype: fp32 on CPU (the fast GEMM path there; cpu kernels take fp32 x and
-    bf16 / fp16 -> fp32 is exact), the artifact's act_dtype on GPU."""
-    return torch.float32 if device == "cpu" else getattr(torch, manifest.act_dtype)
+    """Activation dtype (linear kernels, attention, KV cache); the residual stream stays fp32 on
+    CPU (runtime/model.py). GPU: the artifact's act_dtype. CPU: bf16 when every layer's kernel
+    has a bf16 fast path, the CPU has native bf16 and the artifact was not built for fp32
+    activations; else fp32 (dense CPU layers store fp32 weights: fp32 GEMM, bf16 / fp16 -> fp32 exact)."""
+    if device != "cpu":
+        return getattr(torch, manifest.act_dtype)
+    kernels = {entry.kernel for entry in manifest.layers.values()}
+    if (
+        manifest.act_dtype != "float32"
+        and kernels
+        and kernels <= BF16_ACTIVATION_KERNELS
+        and cpu_has_native_bf16()
+    ):
+        return torch.bfloat16
+    return torch.float32
 
 
 def default_device(manifest: Manifest) -> str:
@@ -149,9 +182,7 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-def _eos_ids(
-    artifact_dir: Path, hf_config: dict[str, Any], tokenizer: Any
-) -> tuple[int, ...]:
+def _eos_ids(artifact_dir: Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
     ids: set[int] = set()
 
     def add(v: object) -> None:
@@ -252,13 +283,14 @@ def load_model(
             f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
         )
 
-    # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the compute dtype.
+    # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the residual dtype.
+    norm_dtype = residual_dtype(dtype, device)
     for hf_name, (module, attr) in model.hf_parameter_names().items():
         if hf_name not in tensors:
             raise LoadError(f"tensor {hf_name} is missing from rank {rank}'s files")
         t = to_device(tensors[hf_name])
-        if not isinstance(module, nn.Embedding) and t.dtype != dtype:
-            t = t.to(dtype)
+        if not isinstance(module, nn.Embedding) and t.dtype != norm_dtype:
+            t = t.to(norm_dtype)
         _set_param(module, attr, t)
         used.add(hf_name)
     if not has_lm_head_layer:
@@ -269,13 +301,7 @@ def load_model(
             head = model.embed_tokens.weight
         else:
             raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
-        if head.dtype != dtype:
-            log.info(
-                "lm_head: converting the %s weight to %s once at load (no lm_head layer in the artifact)",
-                head.dtype,
-                dtype,
-            )
-            head = head.to(dtype)
+        # Used as stored (no load-time copy): the hidden state is cast to its dtype (runtime/model.py).
         model.lm_head_weight = head
     unused = sorted(set(tensors) - used)
     if unused:

@@ -14,6 +14,19 @@ within which both are identical.
 
 Shapes: the model runs on (B, T) token ids; prefill is one sequence (B=1) from position 0,
 decode is B sequences with one token each at their own positions.
+
+Dtypes: `dtype` is the activation dtype the linear kernels, attention and the KV cache run in;
+`residual_dtype` is that of the residual stream, the RMSNorms and RoPE. On GPU both are the
+artifact's act dtype. On CPU the residual stays fp32 (cheap at these sizes; 30 bf16 residual
+additions would drift from the fp32 reference) while the activations are bf16 when the kernels'
+fast paths want bf16 (`runtime.loader.compute_dtype`): each norm output is rounded to bf16 once,
+which the kernels would do anyway.
+
+The tied lm_head multiplies by the embedding as stored (bf16 for SmolLM2) with the hidden state
+rounded to that dtype: no load-time fp32 copy (≈113 MB for SmolLM2), half the bytes per token.
+The logits come out of the bf16 GEMM rounded to bf16 (≤ 2^-9 relative, ≈0.03-0.06 at typical
+top logits); the top `LM_HEAD_EXACT_TOP` are then recomputed in fp32 from the fp32 hidden state,
+so greedy decoding sees exact maxima.
 """
 
 from __future__ import annotations
@@ -30,6 +43,10 @@ from kernels.base import LinearKernel, LinearSpec
 from kernels.errors import UnsupportedError
 from runtime.kv_cache import KVCache
 
+# Logits recomputed in fp32 after the (bf16) tied lm_head GEMM: the largest ones, which greedy
+# decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
+# the true maximum is always among the top few of the rounded logits.
+LM_HEAD_EXACT_TOP = 8
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
@@ -146,6 +163,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_tables_full(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos | cos, -sin | sin): (max_len, head_dim), the tables `apply_rope_full` takes."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def apply_rope_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in 3 ops: x * (cos|cos) + (x2|x1) * (-sin|sin). Tables (B, 1, T, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos_full, torch.cat((x2, x1), dim=-1), sin_signed)
+
+
+def residual_dtype(act_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """fp32 residual stream / norms / RoPE on CPU; the activation dtype on GPU."""
+    return torch.float32 if torch.device(device).type == "cpu" else act_dtype
+
+
 # ------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------
@@ -166,9 +199,16 @@ class KernelLinear(nn.Module):
         self.kernel, self.spec, self.tensors = kernel, spec, tensors
         for suffix, t in tensors.items():
             self.register_buffer(suffix, t, persistent=False)
+        # Kernels with a `bind_apply(tensors, spec)` hand back a closure with every tensor, shape
+        # and option resolved once (no dict lookups or checks per call); others run `apply`.
+        bind_apply = getattr(kernel, "bind_apply", None)
+        self._apply = bind_apply(tensors, spec) if bind_apply is not None else self._generic_apply
+
+    def _generic_apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.apply(x, self.tensors, self.spec)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.apply(x, self.tensors, self.spec)  # type: ignore[union-attr]
+        y = self._apply(x)
         if self.all_reduce:
             torch.distributed.all_reduce(y)
         return y
@@ -203,8 +243,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
         qk, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
-        # q and k heads rotated in one call: (b, heads + kv_heads, t, head_dim)
-        qk = apply_rope(qk.view(b, t, -1, self.head_dim).transpose(1, 2), ctx.cos, ctx.sin)
+        # q and k heads rotated in one call (in the tables' dtype): (b, heads + kv_heads, t, head_dim)
+        qk = apply_rope_full(qk.view(b, t, -1, self.head_dim).transpose(1, 2), ctx.cos, ctx.sin).to(v.dtype)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cache = ctx.cache
@@ -212,7 +252,10 @@ class Attention(nn.Module):
             cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         else:  # one new token per sequence at its own position
-            cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
+            if ctx.single is not None:  # batch 1: plain slice copies, no index tensors
+                cache.write_decode_one(self.layer_idx, *ctx.single, k[0, :, 0], v[0, :, 0])
+            else:
+                cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(self.layer_idx, ctx.read_slots, ctx.read_len)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
@@ -241,8 +284,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(f"{prefix}.mlp", world_size)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        act = ctx.act_dtype
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x).to(act), ctx)
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x).to(act)))
 
 
 @dataclass
@@ -250,14 +294,16 @@ class ForwardContext:
     """Per-forward state shared by every layer (built once per step, not per layer)."""
 
     cache: KVCache
-    cos: torch.Tensor  # (B, 1, T, head_dim // 2)
-    sin: torch.Tensor
+    cos: torch.Tensor  # (B, 1, T, head_dim): cos | cos
+    sin: torch.Tensor  # (B, 1, T, head_dim): -sin | sin
+    act_dtype: torch.dtype = torch.float32
     prefill_slot: int | None = None
     slots: torch.Tensor | None = None  # (B,) decode: cache slot of each sequence
     positions: torch.Tensor | None = None  # (B,) decode: position of the new token
     read_slots: slice | torch.Tensor | None = None  # a slice when the slots are contiguous (no gather)
     read_len: int = 0
     mask: torch.Tensor | None = None  # (B, 1, 1, read_len) bool, None when B == 1
+    single: tuple[int, int] | None = None  # decode with B == 1: (slot, position)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -281,6 +327,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight: torch.Tensor | None
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.dtype = torch.float32
+        self.residual_dtype = torch.float32
         self.device = torch.device("cpu")
         self.cos = self.sin = torch.empty(0)
 
@@ -300,24 +347,35 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def setup(self, dtype: torch.dtype, max_len: int, device: torch.device | str) -> None:
-        """After binding: compute dtype and rope tables for positions [0, max_len)."""
+        """After binding: activation dtype and rope tables for positions [0, max_len)."""
         self.dtype = dtype
         self.device = torch.device(device)
-        self.cos, self.sin = (t.to(device) for t in rope_tables(self.cfg, max_len, dtype))
+        self.residual_dtype = residual_dtype(dtype, self.device)
+        cos, sin = rope_tables(self.cfg, max_len, self.residual_dtype)
+        self.cos, self.sin = (t.to(device) for t in rope_tables_full(cos, sin))
 
     # ---------------------------------------------------------------------------------------------
 
     def _body(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens.weight).to(self.dtype)
+        x = F.embedding(input_ids, self.embed_tokens.weight).to(self.residual_dtype)
         for layer in self.layers:
             x = layer.forward(x, ctx)
         return self.norm.forward(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final-norm output (in the residual dtype)."""
         if self.lm_head is not None:
-            return self.lm_head.forward(hidden)
-        assert self.lm_head_weight is not None
-        return F.linear(hidden, self.lm_head_weight)
+            return self.lm_head.forward(hidden.to(self.dtype)).float()
+        w = self.lm_head_weight
+        assert w is not None
+        if w.dtype == hidden.dtype:
+            return F.linear(hidden, w).float()
+        logits = F.linear(hidden.to(w.dtype), w).float()
+        # The GEMM rounds every logit to w's dtype; recompute the top few in fp32 from the fp32 hidden
+        # state so that greedy choices and the leading logprobs are not decided by that rounding.
+        top = logits.topk(LM_HEAD_EXACT_TOP, dim=-1).indices  # (..., k)
+        exact = (w[top].to(hidden.dtype) @ hidden.unsqueeze(-1)).squeeze(-1)  # (..., k)
+        return logits.scatter_(-1, top, exact)
 
     def prefill(
         self, input_ids: torch.Tensor, slot: int, cache: KVCache, *, all_logits: bool = False
@@ -325,7 +383,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids (T,) from position 0 into `slot`. Logits (V,) of the last position, or (T, V)."""
         t = input_ids.shape[0]
         ctx = ForwardContext(
-            cache=cache, cos=self.cos[:t][None, None], sin=self.sin[:t][None, None], prefill_slot=slot
+            cache=cache,
+            cos=self.cos[:t][None, None],
+            sin=self.sin[:t][None, None],
+            act_dtype=self.dtype,
+            prefill_slot=slot,
         )
         hidden = self._body(input_ids[None], ctx)[0]
         return self.logits(hidden if all_logits else hidden[-1])
@@ -335,18 +397,29 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One token per sequence: tokens (B,), its cache slot and position. Logits (B, V)."""
         b = len(slots)
+        read_len = max(positions) + 1
+        if b == 1:
+            p = positions[0]
+            ctx = ForwardContext(
+                cache=cache,
+                cos=self.cos[p : p + 1][None, None],
+                sin=self.sin[p : p + 1][None, None],
+                act_dtype=self.dtype,
+                read_slots=slice(slots[0], slots[0] + 1),
+                read_len=read_len,
+                single=(slots[0], p),
+            )
+            return self.logits(self._body(tokens[:, None], ctx)[:, 0])
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        read_len = max(positions) + 1
         contiguous = slots == list(range(slots[0], slots[0] + b))
         read_slots: slice | torch.Tensor = slice(slots[0], slots[0] + b) if contiguous else slot_t
-        mask = None
-        if b > 1:
-            mask = (torch.arange(read_len, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        mask = (torch.arange(read_len, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         ctx = ForwardContext(
             cache=cache,
             cos=self.cos[pos][:, None, None],
             sin=self.sin[pos][:, None, None],
+            act_dtype=self.dtype,
             slots=slot_t,
             positions=pos,
             read_slots=read_slots,

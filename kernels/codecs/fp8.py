@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.base import Fp8Strategy, Fp8Weight
+from kernels.codecs.swar import for_each_block, hugepage_empty, serial_ops
 from kernels.errors import LayoutError
 
 E4M3_MAX = 448.0
@@ -32,27 +33,47 @@ def quantize_fp8(
     block_size: tuple[int, int] = (128, 128),
     shard_sizes: tuple[int, ...] = (),
 ) -> Fp8Weight:
-    """(N, K) float weight -> `Fp8Weight` (e4m3fn codes + float32 multiplier scales)."""
+    """(N, K) float weight -> `Fp8Weight` (e4m3fn codes + float32 multiplier scales).
+
+    Row blocks run on torch.get_num_threads() Python threads with one intra-op thread each
+    (kernels/codecs/swar.py `for_each_block`), so a busy machine does not stall OpenMP teams.
+    """
     if w.dim() != 2 or not w.dtype.is_floating_point:
         raise LayoutError(f"FP8 quantization needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
     n, _ = w.shape
-    if strategy == "tensor":
-        sizes = tuple(shard_sizes) or (n,)
-        if sum(sizes) != n:
-            raise LayoutError(f"shard_sizes {sizes} sum to {sum(sizes)}, but the weight has N={n} rows")
-        amax = torch.stack([_amax(part) for part in torch.split(w, list(sizes))])
-        scale = amax / E4M3_MAX  # (S,) float32
-        row_scale = torch.repeat_interleave(scale, torch.tensor(sizes))[:, None]
-        q = _static_quant(w, row_scale)
-        return Fp8Weight(weight=q, scale=scale, strategy="tensor", shard_sizes=tuple(shard_sizes))
-    if strategy == "channel":
-        amax = torch.maximum(-w.amin(dim=1).float(), w.amax(dim=1).float())  # (aminmax(dim) is slow)
-        scale = amax / E4M3_MAX  # (N,) float32
-        return Fp8Weight(weight=_static_quant(w, scale[:, None]), scale=scale, strategy="channel")
-    if strategy == "block":
-        q, sf = _block_quant(w, block_size)
-        return Fp8Weight(weight=q, scale=sf, strategy="block", block_size=tuple(block_size))
+    with serial_ops():
+        if strategy == "tensor":
+            sizes = tuple(shard_sizes) or (n,)
+            if sum(sizes) != n:
+                raise LayoutError(f"shard_sizes {sizes} sum to {sum(sizes)}, but the weight has N={n} rows")
+            rows_amax = _row_amax(w)  # (N,) float32
+            amax = torch.stack([part.max() for part in torch.split(rows_amax, list(sizes))])
+            scale = amax / E4M3_MAX  # (S,) float32
+            row_scale = torch.repeat_interleave(scale, torch.tensor(sizes))[:, None]
+            q = _static_quant(w, row_scale)
+            return Fp8Weight(weight=q, scale=scale, strategy="tensor", shard_sizes=tuple(shard_sizes))
+        if strategy == "channel":
+            scale = _row_amax(w) / E4M3_MAX  # (N,) float32
+            return Fp8Weight(weight=_static_quant(w, scale[:, None]), scale=scale, strategy="channel")
+        if strategy == "block":
+            q, sf = _block_quant(w, block_size)
+            return Fp8Weight(weight=q, scale=sf, strategy="block", block_size=tuple(block_size))
     raise LayoutError(f"unknown FP8 strategy {strategy!r}; use 'tensor', 'channel' or 'block'")
+
+
+def _row_amax(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) float -> (N,) float32 max |w| per row (an empty row gives 0)."""
+    n, k = w.shape
+    out = torch.zeros(n, dtype=torch.float32)
+    if k == 0:
+        return out
+
+    def block(blk: slice) -> None:  # (aminmax(dim) is slow)
+        part = w[blk]
+        torch.maximum(-part.amin(dim=1).float(), part.amax(dim=1).float(), out=out[blk])
+
+    for_each_block(n, k * w.element_size(), block)
+    return out
 
 
 def requantize_to_max_scale(w: Fp8Weight) -> Fp8Weight:
@@ -99,12 +120,6 @@ def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, out)
 
 
-def _amax(w: torch.Tensor) -> torch.Tensor:
-    """max |w| as a float32 0-dim tensor (one pass, no |w| temporary)."""
-    lo, hi = torch.aminmax(w)
-    return torch.maximum(-lo.float(), hi.float())
-
-
 def _static_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """cvt_e4m3(clamp(w * (1/scale), ±448)) in float32, `scale` (N, 1) per row; a zero scale gives code 0.
 
@@ -112,15 +127,19 @@ def _static_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """
     n, k = w.shape
     inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale).expand(n, 1)
-    out = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    rows = max(1, _CHUNK_ELEMS // max(k, 1))
-    buf = torch.empty(min(rows, n), k, dtype=torch.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        x = buf[: r1 - r0]
-        torch.mul(w[r0:r1], inv[r0:r1], out=x)  # float(w) * fp32 reciprocal
-        x.clamp_(-E4M3_MAX, E4M3_MAX)
-        out[r0:r1] = x
+    out = hugepage_empty((n, k), torch.uint8).view(torch.float8_e4m3fn)
+
+    def block(blk: slice) -> None:
+        rows = max(1, _CHUNK_ELEMS // max(k, 1))
+        buf = torch.empty(min(rows, blk.stop - blk.start), k, dtype=torch.float32)
+        for r0 in range(blk.start, blk.stop, rows):
+            r1 = min(blk.stop, r0 + rows)
+            x = buf[: r1 - r0]
+            torch.mul(w[r0:r1], inv[r0:r1], out=x)  # float(w) * fp32 reciprocal
+            x.clamp_(-E4M3_MAX, E4M3_MAX)
+            out[r0:r1] = x
+
+    for_each_block(n, k * w.element_size(), block)
     return out
 
 
@@ -131,17 +150,21 @@ def _block_quant(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Te
         raise LayoutError(f"FP8 block size must be positive, got {block_size}")
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    out = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    out = hugepage_empty((n, k), torch.uint8).view(torch.float8_e4m3fn)
     sf = torch.empty(nb, kb, dtype=torch.float32)
-    buf = torch.zeros(bn, kb * bk, dtype=torch.float32)
-    for i in range(nb):
-        r0, r1 = i * bn, min(n, (i + 1) * bn)
-        if r1 - r0 < bn or k < kb * bk:
-            buf.zero_()
-        buf[: r1 - r0, :k] = w[r0:r1]
-        view = buf.view(bn, kb, bk)
-        amax = torch.maximum(view.amax(dim=(0, 2)), -view.amin(dim=(0, 2))).clamp_(BLOCK_AMAX_FLOOR)
-        sf[i] = amax / E4M3_MAX
-        view.mul_((1.0 / sf[i])[None, :, None])
-        out[r0:r1] = buf[: r1 - r0, :k]
+
+    def block(blk: slice) -> None:
+        buf = torch.zeros(bn, kb * bk, dtype=torch.float32)
+        for i in range(blk.start, blk.stop):
+            r0, r1 = i * bn, min(n, (i + 1) * bn)
+            if r1 - r0 < bn or k < kb * bk:
+                buf.zero_()
+            buf[: r1 - r0, :k] = w[r0:r1]
+            view = buf.view(bn, kb, bk)
+            amax = torch.maximum(view.amax(dim=(0, 2)), -view.amin(dim=(0, 2))).clamp_(BLOCK_AMAX_FLOOR)
+            sf[i] = amax / E4M3_MAX
+            view.mul_((1.0 / sf[i])[None, :, None])
+            out[r0:r1] = buf[: r1 - r0, :k]
+
+    for_each_block(nb, bn * k * w.element_size(), block)
     return out, sf

@@ -1,4 +1,4 @@
-"""Fast 4/8-bit layout shuffles: SIMD-within-a-register on int32 words, in cache-sized row blocks.
+"""Fast layout preps: SIMD-within-a-register on int32 words, in cache-sized row blocks on threads.
 
 Byte-granular strided copies and int64/uint8 -> wider conversions run element by element in torch,
 so the hot layout preps instead move whole int32 words with contiguous vectorized bitwise ops:
@@ -11,7 +11,8 @@ so the hot layout preps instead move whole int32 words with contiguous vectorize
     team burns CPU waiting for a descheduled peer) costs only the lost share of the cores;
   * outputs bigger than glibc's mmap threshold come from `hugepage_empty` (numpy asks the kernel
     for transparent huge pages), which cuts their first-touch page-fault cost about six-fold.
-All functions here are exact bit permutations; their tests are the layouts' bit-exact tests.
+The shuffles here are exact bit permutations, tested through the layouts' bit-exact tests
+(tests/kernels/test_codecs.py, test_marlin_layout.py); fp8.py uses the same block driver.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _HUGE_MIN_BYTES = 1 << 21
 def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty, backed by numpy's allocator when large (it madvises transparent huge pages)."""
     numel = int(np.prod(shape))
-    if numel * torch.empty((), dtype=dtype).element_size() < _HUGE_MIN_BYTES or dtype not in _NUMPY_DTYPES:
+    if numel * dtype.itemsize < _HUGE_MIN_BYTES or dtype not in _NUMPY_DTYPES:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[dtype]))
 
@@ -93,10 +94,12 @@ def for_each_block(rows: int, row_bytes: int, fn: Callable[[slice], None]) -> No
             fn(blk)
 
     caller = torch.get_num_threads()
-    with ThreadPoolExecutor(threads) as pool:
-        for fut in [pool.submit(run, blocks[i::threads]) for i in range(threads)]:
-            fut.result()
-    torch.set_num_threads(caller)  # re-publish the caller's count (workers changed the global default)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for fut in [pool.submit(run, blocks[i::threads]) for i in range(threads)]:
+                fut.result()
+    finally:
+        torch.set_num_threads(caller)  # re-publish the caller's count (workers changed the global default)
 
 
 def delta_swap(x: torch.Tensor, y: torch.Tensor, shift: int, mask: int, scratch: torch.Tensor) -> None:

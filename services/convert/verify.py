@@ -17,6 +17,8 @@ Bounds (named, documented):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from kernels.base import Fp8Weight, IntWeight, SourceWeight
@@ -33,35 +35,33 @@ def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
     return float(diff.max() / ref.abs().max().clamp_min(_TINY)) if diff.numel() else 0.0
 
 
-def references(source: SourceWeight, act_dtype: torch.dtype) -> list[torch.Tensor]:
-    """(N, K) float32 weights the artifact may reproduce exactly: integer scales as stored in the
-    checkpoint, or cast to the activation dtype (what vLLM's loader does)."""
-    if isinstance(source, IntWeight):
-        refs = [source.dequantize()]
-        if source.scales.dtype != act_dtype:
-            cast = IntWeight(
-                source.codes,
-                source.scales.to(act_dtype),
-                source.bits,
-                source.group_size,
-                source.zeros,
-                source.g_idx,
-            )
-            refs.append(cast.dequantize())
-        return refs
-    return [source.dequantize()]
+def references(source: SourceWeight, act_dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """(N, K) float32 weights the artifact may reproduce exactly, computed lazily: integer scales as
+    stored in the checkpoint, then cast to the activation dtype (what vLLM's loader does)."""
+    yield source.dequantize()
+    if isinstance(source, IntWeight) and source.scales.dtype != act_dtype:
+        yield IntWeight(
+            source.codes,
+            source.scales.to(act_dtype),
+            source.bits,
+            source.group_size,
+            source.zeros,
+            source.g_idx,
+        ).dequantize()
 
 
 def compare(
     got: torch.Tensor, source: SourceWeight, act_dtype: torch.dtype, *, online_fp8: bool = False
 ) -> LayerVerification:
-    refs = references(source, act_dtype)
-    ref = refs[0]
-    if got.shape != ref.shape:
-        return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
+    refs: list[torch.Tensor] = []
     got = got.float()
-    if any(torch.equal(got, r) for r in refs):
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+    for r in references(source, act_dtype):
+        if got.shape != r.shape:
+            return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
+        if torch.equal(got, r):
+            return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+        refs.append(r)
+    ref = refs[0]
     if isinstance(source, IntWeight) and not online_fp8:
         gi = source.group_index()
         step = source.scales.float()[gi].T.abs().clamp_min(_TINY)

@@ -86,6 +86,8 @@ class LocalWriter(ArtifactWriter):
         if (final / MANIFEST_NAME).exists():
             self.abort()
             raise ArtifactExistsError(f"artifact {self.aid} is already committed at {final}")
+        if final.exists():  # no manifest: the remains of an interrupted delete, never a commit
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(self.staging, final)  # atomic; fails if `final` exists and is not empty
         except OSError as e:

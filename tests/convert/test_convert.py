@@ -89,8 +89,11 @@ ALL = [
 def test_convert_tp2_every_target(
     ckpt: Callable[[str], Path], truth: Callable[[str], dict[str, torch.Tensor]], tmp_path: Path, name: str
 ) -> None:
-    results = convert(ConversionRequest(str(ckpt(name)), TP2_TARGETS, tp=2, out=str(tmp_path)))
-    assert [r.target for r in results] == TP2_TARGETS and len({r.artifact_id for r in results}) == 3
+    # sm90 takes integer layers with the same kernel as sm80 (marlin_wna16, see test_plan): convert it
+    # only where its kernel differs (FP8 -> fp8_w8a8) to keep the suite short
+    targets = TP2_TARGETS if "fp8" in name or name.startswith("bf16") else ["sm80", "cpu"]
+    results = convert(ConversionRequest(str(ckpt(name)), targets, tp=2, out=str(tmp_path)))
+    assert [r.target for r in results] == targets and len({r.artifact_id for r in results}) == len(targets)
     for r in results:
         assert not r.reused and r.tp == 2
         check_artifact(r, truth(name))
@@ -102,7 +105,8 @@ def test_convert_tp2_every_target(
 def test_convert_tp1(
     ckpt: Callable[[str], Path], truth: Callable[[str], dict[str, torch.Tensor]], tmp_path: Path, name: str
 ) -> None:
-    for r in convert(ConversionRequest(str(ckpt(name)), ["sm80", "sm90", "cpu"], out=str(tmp_path))):
+    targets = ["sm80", "sm90", "cpu"] if "fp8" in name else ["sm80", "cpu"]
+    for r in convert(ConversionRequest(str(ckpt(name)), targets, out=str(tmp_path))):
         m = check_artifact(r, truth(name))
         assert m.tp == 1 and m.source.format == m.source.format
 

@@ -105,6 +105,31 @@ def test_per_block_matches_reference(
     assert torch.equal(_bytes(f.weight), _bytes(q_ref))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_blocks_and_threads_give_the_same_bytes(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiny row blocks (several, the last shorter) spread over Python threads; outputs numpy-backed
+    from kernels.codecs import swar
+
+    monkeypatch.setattr(swar, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = _weight(3, 70, 36, torch.bfloat16)
+        q_ref, s_ref = ref_fp8_per_tensor(w, [30, 40])
+        f = quantize_fp8(w, "tensor", shard_sizes=(30, 40))
+        assert f.scale.tolist() == s_ref and torch.equal(_bytes(f.weight), _bytes(q_ref))
+        q_ref, s_ref = ref_fp8_per_channel(w)
+        f = quantize_fp8(w, "channel")
+        assert f.scale.tolist() == s_ref and torch.equal(_bytes(f.weight), _bytes(q_ref))
+        q_ref, s_ref = ref_fp8_per_block(w, 16, 16)
+        f = quantize_fp8(w, "block", block_size=(16, 16))
+        assert torch.equal(f.scale, s_ref) and torch.equal(_bytes(f.weight), _bytes(q_ref))
+        assert torch.get_num_threads() == threads  # the caller's intra-op thread count is restored
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_per_block_amax_floor() -> None:
     f = quantize_fp8(torch.zeros(130, 10), "block")
     assert f.scale.shape == (2, 1)
