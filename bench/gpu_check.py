@@ -42,7 +42,8 @@ MS = (1, 16, 64, 256)
 W4A16_GOAL_AT_M1 = 2.5  # target speed-up of marlin_wna16 W4A16 over bf16 at M=1
 # apply vs twin, relative Frobenius error (bf16 output rounding + weights rounded to bf16 before the dot)
 REL_TOL = 1.5e-2
-SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in shared memory per block, bytes
+# opt-in shared memory per block, bytes
+SMEM_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ VARIANTS = (
     Variant("fp8_w8a8 channel (_scaled_mm)", "fp8_w8a8", "fp8", fp8_strategy="channel", backend="scaled_mm"),
     Variant("fp8_marlin channel", "fp8_marlin", "fp8", fp8_strategy="channel"),
     Variant("fp8_marlin block 128", "fp8_marlin", "fp8", fp8_strategy="block", block_size=(128, 128)),
+    Variant("fp8_w8a16 channel", "fp8_w8a16", "fp8", fp8_strategy="channel"),
+    Variant("fp8_w8a16 block 128", "fp8_w8a16", "fp8", fp8_strategy="block", block_size=(128, 128)),
 )
 
 
@@ -267,8 +270,8 @@ def compile_kernel(
 
 def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
     """(label, arch, fn, signature, constexprs, config) for every kernel variant and M bucket."""
-    from kernels import fp8_marlin, fp8_w8a8, gptq_wna16, marlin_wna16
-    from kernels.triton_utils import GemmConfig, cuda_block_config, fit_to_groups
+    from kernels import fp8_marlin, fp8_w8a8, fp8_w8a16, gptq_wna16, marlin_wna16
+    from kernels.triton_utils import GemmConfig, cuda_block_config, fit_to_groups, largest_block_dividing
 
     act = "bf16"
     ptrs = {"X": f"*{act}", "QW": "*i32", "S": f"*{act}"}
@@ -287,6 +290,9 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
         "N": "i32",
         "K": "i32",
     }
+    w8a16_ints = {"M": "i32", "N": "i32", "K": "i32", "block_n": "i32", "block_k": "i32", "k_blocks": "i32"}
+    w8a16_sig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "BIAS": f"*{act}", "Y": f"*{act}", **w8a16_ints}
+    w8a16_sig_fp16 = {**w8a16_sig, "X": "*fp16", "BIAS": "*fp16", "Y": "*fp16"}
     ms = (1, 256) if quick else MS
     out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
     int_variants = [(4, True, False, 128), (8, False, True, 128)] + ([] if quick else [(2, True, False, 40)])
@@ -355,6 +361,28 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                             arch,
                             fp8_marlin._kernel(),
                             fp8m_sig,
+                            consts,
+                            cfg,
+                        )
+                    )
+            cfg = replace(base, block_k=largest_block_dividing(128, base.block_k), split_k=split_k)
+            for block_scales in (False, True):
+                consts = dict(
+                    BLOCK_SCALES=block_scales,
+                    HAS_BIAS=True,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                    SPLIT_K=split_k,
+                    BF16_INTERP=False,
+                )
+                for arch, sig in ((75, w8a16_sig_fp16), (80, w8a16_sig), (90, w8a16_sig)):  # sm75: fp16 only
+                    out.append(
+                        (
+                            f"fp8_w8a16 M={m} split={split_k} block_scales={block_scales}",
+                            arch,
+                            fp8_w8a16._kernel(),
+                            sig,
                             consts,
                             cfg,
                         )

@@ -1,6 +1,7 @@
 """Layout-prep throughput and peak memory on Llama-3-8B-shaped layers, against the naive reference.
 
     .venv/bin/python bench/repack.py [--reps 3] [--shapes 4096x4096,14336x4096,4096x14336]
+        [--preps gptq_decode_4bit,...] [--threads N (default: torch's default)] [--no-single-thread]
 
 For every prep (GPTQ decode, AWQ -> standard, Marlin repack 4/8-bit, scale / zero-point permutes, FP8
 quantize per tensor / channel / block) and shape (N x K), a fresh subprocess builds the inputs,
@@ -328,7 +329,7 @@ def main() -> None:
                 f"{float(row['seconds']) * 1e3:>9.1f}{float(row['gbps']):>9.2f}"
                 f"{float(row['gbps_per_cpu_second']):>9.2f}{one_cols}"
                 f"{float(row['peak_extra_mb']):>8.0f}{naive:>10.1f}{row['ratio']:>7.0f}x"
-                + ("  (smoke: too small to time)" if smoke else ""),
+                + ("  (< 4 MB source: noise-dominated, not counted)" if smoke else ""),
                 flush=True,
             )
     print(

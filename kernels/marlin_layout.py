@@ -156,10 +156,11 @@ def marlin_permute_scales(s: torch.Tensor, k: int, n: int, group_size: int) -> t
     group_size is -1 or >= K (group_size == K uses the single perm, like vLLM)."""
     _check_scales(s, n)
     g = s.shape[0]
-    if _grouped(k, group_size):  # s_m[g, 64c + 8i + j] = s[g, 64c + i + 8j]
-        return s.reshape(g, n // 64, 8, 8).transpose(2, 3).reshape(g, n)
-    # s_m[g, 32c + 8i + 2a + b] = s[g, 32c + 2i + 8a + b]
-    return s.reshape(g, n // 32, 4, 4, 2).transpose(2, 3).reshape(g, n)
+    with serial_ops():  # a few hundred KB: an OpenMP team costs more than it saves
+        if _grouped(k, group_size):  # s_m[g, 64c + 8i + j] = s[g, 64c + i + 8j]
+            return s.reshape(g, n // 64, 8, 8).transpose(2, 3).reshape(g, n)
+        # s_m[g, 32c + 8i + 2a + b] = s[g, 32c + 2i + 8a + b]
+        return s.reshape(g, n // 32, 4, 4, 2).transpose(2, 3).reshape(g, n)
 
 
 def marlin_unpermute_scales(s: torch.Tensor, k: int, n: int, group_size: int) -> torch.Tensor:
@@ -179,7 +180,8 @@ def marlin_zero_points(zp: torch.Tensor, bits: int) -> torch.Tensor:
         )
     g, n = zp.shape
     idx = _zero_point_index(bits)
-    return pack_cols(zp.reshape(g, n // 64, 64)[..., idx].reshape(g, n), bits)
+    with serial_ops():  # small tensors: an OpenMP team costs more than it saves
+        return pack_cols(zp.reshape(g, n // 64, 64)[..., idx].reshape(g, n), bits)
 
 
 def marlin_unpack_zero_points(zp_marlin: torch.Tensor, bits: int, n: int) -> torch.Tensor:

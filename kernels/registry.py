@@ -30,6 +30,7 @@ BUILTIN_KERNELS: dict[str, str] = {
     "fp8_w8a8": "kernels.fp8_w8a8:Fp8W8A8Kernel",
     "marlin_wna16": "kernels.marlin_wna16:MarlinWNA16Kernel",
     "fp8_marlin": "kernels.fp8_marlin:Fp8MarlinKernel",
+    "fp8_w8a16": "kernels.fp8_w8a16:Fp8W8A16Kernel",
     "gptq_wna16": "kernels.gptq_wna16:GptqWNA16Kernel",
     "cpu_int4": "kernels.cpu_int4:CpuInt4Kernel",
     "cpu_int8": "kernels.cpu_int8:CpuInt8Kernel",
@@ -39,11 +40,11 @@ BUILTIN_KERNELS: dict[str, str] = {
 
 # Ordered by preference; each kernel's can_implement filters by scheme and shape.
 PRIORITY: dict[Target, tuple[str, ...]] = {
-    Target.SM90: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "dense"),
-    Target.SM89: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "dense"),
-    Target.SM86: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "dense"),
-    Target.SM80: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "dense"),
-    Target.SM75: ("gptq_wna16", "dense"),
+    Target.SM90: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM89: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM86: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM80: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
     Target.CPU: ("cpu_int4", "cpu_int8", "cpu_fp8", "dense"),
 }
 

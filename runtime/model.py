@@ -266,12 +266,14 @@ class MLP(nn.Module):
     def __init__(self, prefix: str, world_size: int) -> None:
         super().__init__()
         self.gate_up_proj = KernelLinear(f"{prefix}.gate_up_proj")
+        self.residual_dtype = torch.float32  # set by LlamaForCausalLM.setup
         self.down_proj = KernelLinear(f"{prefix}.down_proj", all_reduce=world_size > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate).mul_(up))
+        # SwiGLU in fp32 on CPU (one rounding to bf16 at down_proj's input instead of three)
+        return self.down_proj.forward(F.silu(gate.to(self.residual_dtype)).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -351,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.residual_dtype = residual_dtype(dtype, self.device)
+        for layer in self.layers:
+            layer.mlp.residual_dtype = self.residual_dtype
         cos, sin = rope_tables(self.cfg, max_len, self.residual_dtype)
         self.cos, self.sin = (t.to(device) for t in rope_tables_full(cos, sin))
 

@@ -25,7 +25,8 @@ from rich.table import Table
 from kernels.errors import KilnError
 
 err = Console(stderr=True)
-out = Console()
+# Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 200)
 
 TargetOpt = Annotated[
     str, typer.Option("--target", "-t", help="sm75|sm80|sm86|sm89|sm90|cpu (comma-separated)")

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -25,6 +26,7 @@ import torch
 
 from kernels.base import DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target
 from kernels.codecs.fp8 import quantize_fp8
+from kernels.dense import DenseKernel
 from runtime.artifact.manifest import (
     FileEntry,
     LayerEntry,
@@ -42,11 +44,13 @@ from services.convert.formats.base import CheckpointFormat
 from services.convert.plan import Plan, PlannedLayer
 from services.convert.safetensors_io import StreamingSafetensorsWriter
 from services.convert.tp import column_range, fuse, slice_cols, slice_rows
-from services.convert.verify import compare
+from services.convert.verify import compare, compare_dense_stored
 from services.storage.base import ArtifactStore
 from services.storage.errors import ArtifactExistsError
 
 log = logging.getLogger(__name__)
+
+MAX_TENSORS_PER_LAYER = 8  # qweight, scales, zeros, g_idx, perm, bias, ... (the header estimate)
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,27 @@ def _rank_weight(plan: Plan, pl: PlannedLayer, shards: list[SourceWeight], rank:
     return fuse(parts, [s.module for s in layout.shards])
 
 
+def _stores_dense_weight(kernel: LinearKernel) -> bool:
+    """The kernel stores the weight itself and its dequantize is `tensors["weight"].float()`."""
+    return type(kernel).dequantize is DenseKernel.dequantize
+
+
+def _header_reserve(plan: Plan) -> int:
+    """Bytes to reserve for a rank file's safetensors header (about twice what it will need)."""
+    per_entry = 160  # {"dtype":"BF16","shape":[...],"data_offsets":[...]} plus quoting
+    linear = sum(MAX_TENSORS_PER_LAYER * (len(pl.name) + 24 + per_entry) for pl in plan.layers)
+    other = sum(len(n) + per_entry for n in plan.other_tensors)
+    return 4096 + linear + other
+
+
+def _finish_all(writers: list[StreamingSafetensorsWriter]) -> list[Path]:
+    """Finish every rank file; their sha256 passes run in parallel (hashlib releases the GIL)."""
+    if len(writers) == 1:
+        return [writers[0].finish()]
+    with ThreadPoolExecutor(max_workers=len(writers), thread_name_prefix="kiln-finish") as pool:
+        return list(pool.map(lambda w: w.finish(), writers))
+
+
 def _worst(a: LayerVerification | None, b: LayerVerification) -> LayerVerification:
     if a is None or (b.metric != "exact" and (a.metric == "exact" or b.value > a.value)):
         return b
@@ -134,8 +159,12 @@ def convert_layer(
             )
             weight.bias = reference.bias
         prepared = _prepare(pl.kernel, weight, spec, plan.target)
-        got = pl.kernel.dequantize(prepared, spec)
-        check = compare(got, reference, spec.torch_act_dtype, online_fp8=pl.online_fp8)
+        if _stores_dense_weight(pl.kernel) and isinstance(reference, DenseWeight) and not pl.online_fp8:
+            check = compare_dense_stored(prepared["weight"], reference)
+        else:
+            got = pl.kernel.dequantize(prepared, spec)
+            check = compare(got, reference, spec.torch_act_dtype, online_fp8=pl.online_fp8)
+            del got
         if not check.ok:
             raise VerificationError(
                 f"layer {pl.name} (rank {rank}, kernel {pl.kernel.name}): the artifact's weights do not "
@@ -149,7 +178,7 @@ def convert_layer(
         suffixes = names
         for suffix in names:
             writers[rank].add(f"{pl.name}.{suffix}", prepared[suffix])
-        del prepared, got, weight
+        del prepared, weight
     return LayerEntry(
         kernel=pl.kernel.name,
         layout_version=pl.kernel.layout_version,
@@ -196,7 +225,11 @@ def convert_plan(
     writer = store.begin(aid)
     # named like the store's staging entries ({id}-...), so a dead attempt's leftovers are found by id
     scratch = Path(tempfile.mkdtemp(prefix=f"{aid}-scratch-", dir=workdir))
-    rank_writers = [StreamingSafetensorsWriter(scratch / f"rank{r}.safetensors") for r in range(plan.tp)]
+    reserve = _header_reserve(plan)
+    rank_writers = [
+        StreamingSafetensorsWriter(scratch / f"rank{r}.safetensors", reserve_header_bytes=reserve)
+        for r in range(plan.tp)
+    ]
     total = len(plan.layers) + 1
     bytes_total = sum(ckpt.info(t).nbytes for pl in plan.layers for t in pl.source_tensors) + sum(
         ckpt.info(t).nbytes for t in plan.other_tensors
@@ -225,8 +258,7 @@ def convert_plan(
             bytes_done += ckpt.info(name).nbytes
         report(Progress("writing", total, total, bytes_done, bytes_total, "rank files"))
         files: list[FileEntry] = []
-        for rank, w in enumerate(rank_writers):
-            path = w.finish()
+        for rank, (w, path) in enumerate(zip(rank_writers, _finish_all(rank_writers), strict=True)):
             size, digest = writer.put_file(path.name, path, move=True, sha256=w.sha256)
             files.append(FileEntry(name=path.name, size=size, sha256=digest, rank=rank))
         for name in ["config.json", *ckpt.present_side_files()]:

@@ -3,23 +3,28 @@
 Reading: the header (8-byte little-endian length + JSON) is parsed from the first bytes of a file,
 so an S3 source is read with ranged GETs; local files are memory-mapped with `safe_open` per layer.
 
-Writing: `StreamingSafetensorsWriter` appends each tensor's bytes to a scratch file as it is
-produced and assembles the final file in `finish()` (header, then tensors sorted by decreasing
-element size so every tensor starts aligned to its element size, copied in chunks).
+Writing: `StreamingSafetensorsWriter` writes each tensor's bytes once, straight into the final
+file behind a reserved header region, and fills the header in at `finish()` (see the class).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from services.convert.errors import ConversionError
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -39,6 +44,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 MAX_HEADER_BYTES = 100 << 20
 COPY_CHUNK = 8 << 20
+DEFAULT_HEADER_RESERVE = 64 << 10
+MAX_PENDING_BYTES = 256 << 20  # queued for the writer thread, per file
 
 
 @dataclass(frozen=True)
@@ -95,17 +102,43 @@ def tensor_from_bytes(info: TensorInfo, data: bytes) -> torch.Tensor:
 
 
 class StreamingSafetensorsWriter:
-    """Write a safetensors file tensor by tensor without holding them all in memory."""
+    """Write a safetensors file tensor by tensor, each byte once, without holding them all in memory.
 
-    def __init__(self, path: Path, metadata: dict[str, str] | None = None) -> None:
+    The data is written straight into the final file after a reserved header region
+    (`reserve_header_bytes`); `finish()` writes the real header into it, padded with spaces (valid
+    JSON whitespace, as safetensors itself pads to 8 bytes). Tensors whose byte size is a multiple of
+    8 are written in arrival order, so every one starts 8-byte aligned; the rare others go to a
+    small side file appended at the end, sorted by decreasing element size (so each is aligned to
+    its element size). Writes run on one background thread (file writes release the GIL) with at
+    most `max_pending_bytes` queued. If the header outgrows the reservation, `finish()` falls back
+    to rewriting the file once with a larger header.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        metadata: dict[str, str] | None = None,
+        *,
+        reserve_header_bytes: int = DEFAULT_HEADER_RESERVE,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ) -> None:
         self.path = path
-        self.scratch = path.with_name(path.name + ".data")
-        self._f = self.scratch.open("wb")
-        self._entries: dict[str, tuple[str, list[int], int, int]] = {}  # name -> dtype, shape, off, len
-        self._offset = 0
+        self.scratch = path.with_name(path.name + ".tail")
         self.metadata = metadata or {"format": "pt"}
         self.sha256 = ""  # of the finished file
         self.size = 0
+        self._reserve = 8 + reserve_header_bytes + (-reserve_header_bytes % 8)
+        self._f = path.open("wb")
+        self._f.seek(self._reserve)
+        self._tail: BinaryIO | None = None
+        # name -> (dtype, shape, offset, length, in_tail)
+        self._entries: dict[str, tuple[str, list[int], int, int, bool]] = {}
+        self._offset = 0
+        self._tail_offset = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-st-writer")
+        self._pending: deque[tuple[Future[None], int]] = deque()
+        self._pending_bytes = 0
+        self._max_pending = max_pending_bytes
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
@@ -113,51 +146,123 @@ class StreamingSafetensorsWriter:
         t = tensor.detach().contiguous().cpu()
         if t.dtype not in DTYPE_NAMES:
             raise ConversionError(f"tensor {name}: dtype {t.dtype} cannot be stored in safetensors")
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        self._f.write(data)
-        self._entries[name] = (DTYPE_NAMES[t.dtype], list(t.shape), self._offset, len(data))
-        self._offset += len(data)
+        length = t.numel() * t.element_size()
+        in_tail = length % 8 != 0
+        if in_tail:
+            if self._tail is None:
+                self._tail = self.scratch.open("w+b")
+            off = self._tail_offset
+            self._tail_offset += length
+        else:
+            off = self._offset
+            self._offset += length
+        self._entries[name] = (DTYPE_NAMES[t.dtype], list(t.shape), off, length, in_tail)
+        if not length:
+            return
+        data = t.reshape(-1).view(torch.uint8).numpy()  # a view: no copy of the tensor's bytes
+        out = self._tail if in_tail else self._f
+        assert out is not None
+        self._pending.append((self._pool.submit(out.write, data), length))
+        self._pending_bytes += length
+        while self._pending_bytes > self._max_pending:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        fut, length = self._pending.popleft()
+        self._pending_bytes -= length
+        fut.result()
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._wait_one()
 
     @property
     def names(self) -> list[str]:
         return list(self._entries)
 
-    def finish(self) -> Path:
-        self._f.close()
-
-        def sort_key(item: tuple[str, tuple[str, list[int], int, int]]) -> tuple[int, str]:
-            return (-DTYPES[item[1][0]].itemsize, item[0])
-
-        ordered = sorted(self._entries.items(), key=sort_key)
+    def _header(self) -> tuple[bytes, list[tuple[int, int]]]:
+        """Header JSON (unpadded) and the tail tensors' (scratch offset, length) in file order."""
+        main = [(n, e) for n, e in self._entries.items() if not e[4]]
+        tail = sorted(
+            ((n, e) for n, e in self._entries.items() if e[4]),
+            key=lambda item: (-DTYPES[item[1][0]].itemsize, item[0]),
+        )
         header: dict[str, object] = {"__metadata__": self.metadata}
-        pos = 0
-        for name, (dtype, shape, _off, length) in ordered:
+        for name, (dtype, shape, off, length, _) in main:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + length]}
+        pos = self._offset
+        for name, (dtype, shape, _off, length, _) in tail:
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + length]}
             pos += length
-        hbytes = json.dumps(header, separators=(",", ":")).encode()
-        hbytes += b" " * (-len(hbytes) % 8)
-        h = hashlib.sha256()
-        with self.path.open("wb") as out, self.scratch.open("rb") as src:
-            for block in (struct.pack("<Q", len(hbytes)), hbytes):
-                out.write(block)
-                h.update(block)
-            for _name, (_dtype, _shape, off, length) in ordered:
-                src.seek(off)
-                left = length
-                while left:
-                    block = src.read(min(COPY_CHUNK, left))
-                    if not block:
-                        raise ConversionError(f"scratch file for {self.path.name} is truncated")
-                    out.write(block)
-                    h.update(block)
-                    left -= len(block)
-            self.size = out.tell()
-        self.sha256 = h.hexdigest()
-        self.scratch.unlink()
+        return json.dumps(header, separators=(",", ":")).encode(), [(e[2], e[3]) for _, e in tail]
+
+    def finish(self) -> Path:
+        try:
+            self._drain()
+        finally:
+            self._pool.shutdown(wait=True)
+        hbytes, tail = self._header()
+        if self._tail is not None:
+            self._tail.flush()
+            self._f.seek(self._reserve + self._offset)
+            for off, length in tail:
+                _copy_range(self._tail, self._f, off, length, self.path.name)
+            self._tail.close()
+            self.scratch.unlink()
+        self._f.close()
+        if 8 + len(hbytes) > self._reserve:
+            log.info(
+                "%s: header (%d bytes) outgrew its reservation; rewriting once", self.path.name, len(hbytes)
+            )
+            self._grow_header(8 + len(hbytes) + (-len(hbytes) % 8))
+        hbytes += b" " * (self._reserve - 8 - len(hbytes))
+        with self.path.open("r+b") as f:
+            f.write(struct.pack("<Q", len(hbytes)))
+            f.write(hbytes)
+        self.size, self.sha256 = hash_file(self.path)
         return self.path
 
+    def _grow_header(self, reserve: int) -> None:
+        moved = self.path.with_name(self.path.name + ".old")
+        self.path.replace(moved)
+        with moved.open("rb") as src, self.path.open("wb") as out:
+            out.seek(reserve)
+            size = moved.stat().st_size - self._reserve
+            _copy_range(src, out, self._reserve, size, self.path.name)
+        moved.unlink()
+        self._reserve = reserve
+
     def discard(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        for fut, _ in self._pending:
+            fut.cancel()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
+        for f in (self._f, self._tail):
+            if f is not None and not f.closed:
+                f.close()
         self.scratch.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
+
+
+def _copy_range(src: BinaryIO, out: BinaryIO, start: int, length: int, what: str) -> None:
+    src.seek(start)
+    left = length
+    while left:
+        block = src.read(min(COPY_CHUNK, left))
+        if not block:
+            raise ConversionError(f"scratch data for {what} is truncated")
+        out.write(block)
+        left -= len(block)
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read in large blocks into one reused buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(COPY_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):  # type: ignore[attr-defined]
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()

@@ -167,7 +167,7 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
             weight, torch.cat([p.scale for p in fps]), fps[0].strategy, fps[0].block_size, (), bias
         )
     if all(isinstance(p, DenseWeight) for p in parts):
-        return DenseWeight(torch.cat([p.weight for p in parts]), bias)  # type: ignore[union-attr]
+        return DenseWeight(cat_rows([p.weight for p in parts]), bias)  # type: ignore[union-attr]
     raise ConversionError(
         f"shards {', '.join(names)} have different weight kinds ({type(first).__name__} ...)"
     )
@@ -180,4 +180,25 @@ def _fuse_bias(parts: list[SourceWeight], names: list[str]) -> torch.Tensor | No
     if not all(have):
         missing = [n for n, h in zip(names, have, strict=True) if not h]
         raise ConversionError(f"some shards of a fused layer have a bias and {', '.join(missing)} do not")
-    return torch.cat([p.bias for p in parts])  # type: ignore[misc]
+    return cat_rows([p.bias for p in parts])  # type: ignore[misc]
+
+
+def cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0, without a copy when the tensors already lie back to back in one
+    buffer (the checkpoint reader lays a layer's shards out that way)."""
+    first = ts[0]
+    pos = first.data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    for t in ts:
+        if (
+            t.dtype != first.dtype
+            or t.dim() == 0
+            or t.shape[1:] != first.shape[1:]
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.data_ptr() != pos
+        ):
+            return torch.cat(ts)
+        pos += t.numel() * t.element_size()
+    shape = (sum(t.shape[0] for t in ts), *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kernels.errors import NoKernelError
 from runtime.artifact.manifest import Manifest
 from services import checkpoints
 from services.convert.api import ConversionRequest, convert
@@ -33,6 +32,8 @@ SMOLLM2_K = {
     "mlp.down_proj": 1536,
 }
 INT4_SM80 = {s: "marlin_wna16" if k % MARLIN_K_MULTIPLE == 0 else "gptq_wna16" for s, k in SMOLLM2_K.items()}
+FP8_SM80 = {s: "fp8_marlin" if k % MARLIN_K_MULTIPLE == 0 else "fp8_w8a16" for s, k in SMOLLM2_K.items()}
+FALLBACK_KERNELS = {"gptq_wna16", "fp8_w8a16"}  # what the K=576 layers fall back to on sm80
 
 
 def _everywhere(kernel: str) -> dict[str, str]:
@@ -42,34 +43,21 @@ def _everywhere(kernel: str) -> dict[str, str]:
 # case -> (checkpoint fixture, method, detected source format, {linear: kernel} on cpu, on sm80)
 CASES: dict[str, tuple[str, str, str, dict[str, str], dict[str, str]]] = {
     "bf16": ("smollm2_bf16", "auto", "dense", _everywhere("dense"), _everywhere("dense")),
-    "bf16-online-fp8": ("smollm2_bf16", "fp8", "dense", _everywhere("cpu_fp8"), _everywhere("fp8_marlin")),
+    "bf16-online-fp8": ("smollm2_bf16", "fp8", "dense", _everywhere("cpu_fp8"), FP8_SM80),
     "fp8-dynamic": (
         "smollm2_fp8_dynamic",
         "auto",
         "compressed-tensors",
         _everywhere("cpu_fp8"),
-        _everywhere("fp8_marlin"),
+        FP8_SM80,
     ),
     "gptq-w4a16": ("smollm2_gptq", "auto", "compressed-tensors", _everywhere("cpu_int4"), INT4_SM80),
     "awq-gemm": ("smollm2_awq_packed", "auto", "awq", _everywhere("cpu_int4"), INT4_SM80),
 }
 
-# FP8 on sm80 is Marlin-only (design.md) and fp8_marlin also needs K % 128 == 0; dense is refused for
-# quantized layers on GPU, so SmolLM2's K=576 layers have no sm80 kernel yet. Strict: passes once fixed.
-FP8_SM80_GAP = pytest.mark.xfail(
-    raises=NoKernelError,
-    strict=True,
-    reason="no sm80 kernel for FP8 layers with K=576 (fp8_marlin needs K % 128 == 0; dense refused on GPU)",
-)
-
 
 def _params() -> list:
-    params = []
-    for case in CASES:
-        for target in ("cpu", "sm80"):
-            marks = [FP8_SM80_GAP] if target == "sm80" and "fp8" in case else []
-            params.append(pytest.param(case, target, marks=marks, id=f"{case}-{target}"))
-    return params
+    return [pytest.param(case, target, id=f"{case}-{target}") for case in CASES for target in ("cpu", "sm80")]
 
 
 # Every verified layer of an integer source is bit-exact after dequantization; FP8 requantization
@@ -99,7 +87,7 @@ def test_real_checkpoint_converts_and_verifies(
     for name, entry in manifest.layers.items():
         linear = name.split(".", 3)[3]  # model.layers.{i}.<linear>
         assert entry.kernel == expected[linear], f"{name}: {entry.kernel}, rejected: {entry.rejected}"
-        assert entry.fallback == (entry.kernel == "gptq_wna16"), name
+        assert entry.fallback == (entry.kernel in FALLBACK_KERNELS), name
 
     assert manifest.verification.ok
     assert manifest.verification.layers_checked == len(expected_layers)

@@ -59,6 +59,8 @@ def test_every_target_has_a_priority_list_of_known_kernels_ending_in_dense() -> 
     assert registry.PRIORITY[Target.SM90][0] == "fp8_w8a8"  # fp8 tensor cores first where they exist
     assert "fp8_w8a8" not in registry.PRIORITY[Target.SM80]
     assert "marlin_wna16" not in registry.PRIORITY[Target.SM75]
+    for gpu in (Target.SM90, Target.SM89, Target.SM86, Target.SM80):  # plain FP8 W8A16 after Marlin's
+        assert registry.PRIORITY[gpu][-3:] == ("fp8_marlin", "fp8_w8a16", "dense"), gpu
 
 
 def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -> None:

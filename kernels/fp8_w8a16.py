@@ -1,0 +1,242 @@
+"""fp8_w8a16: FP8 e4m3 weights x fp16/bf16 activations (W8A16) on the plain layout, every GPU target.
+
+The fallback after fp8_marlin for the shapes Marlin refuses (N % 64, K % 128, e.g. SmolLM2's K = 576)
+and for block scales Marlin cannot group; on sm75 (no FP8 hardware, no bf16 tensor cores) the FP8 path
+with fp16 activations. Needs no FP8 support in the GPU: e4m3 is decoded from its raw bits.
+Stored tensors (per rank):
+    weight        (N, K) float8_e4m3fn  the checkpoint's bytes, row-major (K-contiguous)
+    weight_scale  tensor / channel: (N,) float32, one multiplier per output row (per-tensor scales
+                  of fused shards expanded over each shard's rows: no requantization)
+                  block: (ceil(N / bn), ceil(K / bk)) float32, as in the checkpoint
+    bias          (N,) act dtype, optional
+    w[n, k] = e4m3(weight[n, k]) * scale, exactly Fp8Weight.dequantize().
+Runtime: the kernel decodes each e4m3 byte exactly into fp32 (normals by rebasing the exponent bits,
+subnormals as m * 2^-9), which is exact in fp16 and bf16 too, and runs the tensor-core dot on the
+unscaled codes; per-row scales multiply the fp32 accumulator once at the end, block scales multiply
+each K block's partial dot (BLOCK_K divides bk) before it is accumulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.errors import LayoutError
+from kernels.triton_utils import (
+    GemmConfig,
+    act_dtype_reason,
+    bf16_interpreter,
+    check_act_dtype,
+    default_config,
+    finish_output,
+    gemm_output,
+    import_triton,
+    largest_block_dividing,
+    launch_options,
+    runs_triton,
+)
+
+MIN_BLOCK_K = 16  # the smallest K tile tl.dot takes; block widths bk must be multiples of it
+
+
+class Fp8W8A16Kernel(LinearKernel):
+    name: ClassVar[str] = "fp8_w8a16"
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the plain layout, any N/K, Triton"
+
+    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if spec.scheme != "fp8":
+            return False, f"fp8_w8a16 runs fp8 layers, not scheme {spec.scheme!r}"
+        if not target.is_gpu:
+            return False, "fp8_w8a16 is a GPU (Triton) kernel; the cpu target uses cpu_fp8"
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        if target is Target.SM75 and spec.act_dtype != "float16":
+            return False, (
+                f"sm75 has no bfloat16 tensor cores: fp8_w8a16 on sm75 needs act_dtype float16, "
+                f"got {spec.act_dtype} (convert with --dtype float16)"
+            )
+        if spec.fp8_strategy == "block":
+            if spec.block_size is None:
+                return False, "block-scaled FP8 layer without block_size in its spec"
+            bn, bk = spec.block_size
+            if bn < 1 or bk % MIN_BLOCK_K:
+                return False, (
+                    f"FP8 block size {(bn, bk)}: fp8_w8a16 needs the block width bk to be a multiple of "
+                    f"{MIN_BLOCK_K} (a K tile must divide it); serve the layer dense"
+                )
+        elif spec.fp8_strategy not in ("tensor", "channel"):
+            return False, f"unknown FP8 strategy {spec.fp8_strategy!r}; expected tensor, channel or block"
+        return True, ""
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(weight, Fp8Weight):
+            raise LayoutError(f"{spec.name}: fp8_w8a16 prepares Fp8Weight, got {type(weight).__name__}")
+        if tuple(weight.weight.shape) != (spec.n, spec.k):
+            raise LayoutError(
+                f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(spec.n, spec.k)}"
+            )
+        if weight.weight.dtype != torch.float8_e4m3fn:
+            raise LayoutError(
+                f"{spec.name}: fp8_w8a16 takes float8_e4m3fn weights, got {weight.weight.dtype}"
+            )
+        out = {"weight": weight.weight.contiguous(), "weight_scale": _stored_scale(weight, spec)}
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()  # (N,)
+        return out
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        w = tensors["weight"].cpu().float()  # (N, K)
+        s = tensors["weight_scale"].cpu().float()
+        if spec.fp8_strategy == "block":
+            assert spec.block_size is not None
+            bn, bk = spec.block_size
+            full = s.repeat_interleave(bn, 0)[: spec.n].repeat_interleave(bk, 1)[:, : spec.k]
+        else:
+            full = s.reshape(spec.n, 1).expand(spec.n, spec.k)
+        return (w * full).to(tensors["weight"].device)  # (N, K) fp32
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return fp8_w8a16_gemm(x, tensors, spec)
+
+
+def _stored_scale(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
+    """(N,) float32 for tensor / channel scales, the checkpoint's (ceil(N/bn), ceil(K/bk)) for blocks."""
+    n, k = spec.n, spec.k
+    s = weight.scale.float()
+    if weight.strategy != spec.fp8_strategy:
+        raise LayoutError(
+            f"{spec.name}: weight has {weight.strategy!r} scales, spec says {spec.fp8_strategy!r}"
+        )
+    if weight.strategy == "tensor":
+        # one scale covers every row (online FP8 quantizes a fused layer whole); else one per shard
+        sizes = weight.shard_sizes or ((n,) if s.numel() == 1 else tuple(sh.size for sh in spec.shards))
+        if len(sizes) != s.numel() or sum(sizes) != n:
+            raise LayoutError(f"{spec.name}: {s.numel()} per-tensor scales for shards {sizes} (N={n})")
+        return torch.repeat_interleave(s.reshape(-1), torch.tensor(sizes)).contiguous()
+    if weight.strategy == "channel":
+        if s.numel() != n:
+            raise LayoutError(f"{spec.name}: {s.numel()} per-channel scales for N={n} rows")
+        return s.reshape(n).contiguous()
+    if spec.block_size is None or weight.block_size is None or tuple(weight.block_size) != spec.block_size:
+        raise LayoutError(
+            f"{spec.name}: block size {weight.block_size} does not match spec {spec.block_size}"
+        )
+    bn, bk = spec.block_size
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(s.shape) != want:
+        raise LayoutError(
+            f"{spec.name}: block scales are {tuple(s.shape)}, expected {want} "
+            f"for N={n}, K={k}, block {(bn, bk)}"
+        )
+    return s.contiguous()
+
+
+def fp8_w8a16_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) reading the e4m3 bytes in place; x (..., K) bf16/fp16."""
+    check_act_dtype(x, "fp8_w8a16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, spec.k).contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    if m == 0:
+        return x.new_empty(*lead, n)
+    cfg = config or default_config(m, n, k, x.device)
+    block = spec.fp8_strategy == "block"
+    bn, bk = spec.block_size if block and spec.block_size else (1, k)
+    if block:
+        cfg = replace(cfg, block_k=largest_block_dividing(bk, cfg.block_k))
+        if bk % cfg.block_k:
+            raise LayoutError(f"{spec.name}: no K tile divides the FP8 block width {bk}")
+    scale = tensors["weight_scale"]
+    bias = tensors.get("bias")
+    y = gemm_output(m, n, x, cfg)
+    triton, _ = import_triton()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _kernel()[grid](
+        x2, tensors["weight"].view(torch.uint8), scale, bias if bias is not None else scale, y,
+        m, n, k, bn, bk, triton.cdiv(k, bk),
+        BLOCK_SCALES=block,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BF16_INTERP=bf16_interpreter(x),
+        **launch_options(x, cfg),
+    )  # fmt: skip
+    return finish_output(y, x).reshape(*lead, n)
+
+
+@cache
+def _kernel() -> Any:
+    triton, tl = import_triton()
+
+    @triton.jit
+    def fp8_w8a16_kernel(
+        X, W, S, BIAS, Y,
+        M, N, K, block_n, block_k, k_blocks,
+        BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        act = X.dtype.element_ty
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(
+                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )
+            if BF16_INTERP:
+                x = x.to(tl.float32)
+            b = tl.load(
+                W + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            ).to(tl.int32)  # (BLOCK_K, BLOCK_N) e4m3 bit patterns of the K-major (N, K) weight
+            # exact e4m3 -> fp32: normals rebase the exponent (bias 7 -> 127), subnormals m * 2^-9
+            em = b & 0x7F
+            normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            mag = tl.where(em < 8, (em & 7).to(tl.float32) * 0.001953125, normal)
+            v = tl.where((b & 0x80) != 0, -mag, mag)
+            if not BF16_INTERP:
+                v = v.to(act)  # exact: every e4m3 value is an fp16 and a bf16 value
+            if BLOCK_SCALES:
+                kb = (it * BLOCK_K) // block_k  # BLOCK_K divides block_k: one scale column per tile
+                s = tl.load(S + (offs_n // block_n) * k_blocks + kb, mask=mask_n, other=0.0)
+                acc += tl.dot(x, v, out_dtype=tl.float32) * s[None, :]
+            else:
+                acc += tl.dot(x, v, out_dtype=tl.float32)
+        if not BLOCK_SCALES:
+            acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:  # added once, by the first K split
+            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+        if SPLIT_K == 1:
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return fp8_w8a16_kernel

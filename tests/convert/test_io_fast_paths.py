@@ -1,0 +1,148 @@
+"""The conversion's single-pass I/O and cheap verification: the streaming writer's one-write file
+(alignment, header reservation and its fallback, sha256), the reader's back-to-back layer buffer
+with copy-free fusing, and verification shortcuts that still catch one wrong value."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kernels.base import DenseWeight
+from kernels.dense import DenseKernel
+from services.convert.api import ConversionRequest, VerificationError, convert
+from services.convert.checkpoint import open_checkpoint
+from services.convert.safetensors_io import StreamingSafetensorsWriter
+from services.convert.tp import cat_rows
+from services.convert.verify import DENSE_CAST_REL_BOUND, FP8_REL_BOUND, compare, compare_dense_stored
+from services.storage.local import LocalSource
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(6, 8, generator=g).bfloat16(),
+        "b.odd": torch.arange(3, dtype=torch.uint8),  # 3 bytes: leaves the 8-byte stride
+        "c.scales": torch.randn(5, generator=g),  # 20 bytes
+        "d.qweight": torch.randint(-(2**31), 2**31 - 1, (4, 4), dtype=torch.int32, generator=g),
+        "e.bias": torch.randn(3, generator=g).half(),  # 6 bytes
+        "f.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "g.empty": torch.empty(0, 4),
+        "h.fp8": torch.randn(4, 16, generator=g).to(torch.float8_e4m3fn),
+    }
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _read_back(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, list[int]], int]:
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, offsets, 8 + hlen  # noqa: SIM118
+
+
+@pytest.mark.parametrize("reserve", [1 << 16, 16], ids=["reserved", "header-outgrows-reservation"])
+def test_writer_writes_an_aligned_file_with_its_sha256(tmp_path: Path, reserve: int) -> None:
+    tensors = _mixed_tensors()
+    w = StreamingSafetensorsWriter(
+        tmp_path / "rank0.safetensors", reserve_header_bytes=reserve, max_pending_bytes=64
+    )
+    for name, t in tensors.items():
+        w.add(name, t)
+    path = w.finish()
+    raw = path.read_bytes()
+    assert (w.size, w.sha256) == (len(raw), hashlib.sha256(raw).hexdigest())
+    got, offsets, base = _read_back(path)
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(_bytes(got[name]), _bytes(t))
+        start = base + offsets[name][0]
+        assert start % t.element_size() == 0, f"{name} starts at {start}, not aligned to {t.element_size()}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.safetensors"]  # no side files left
+
+
+def test_writer_discard_leaves_nothing(tmp_path: Path) -> None:
+    w = StreamingSafetensorsWriter(tmp_path / "rank0.safetensors")
+    for name, t in _mixed_tensors().items():
+        w.add(name, t)
+    w.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reader_lays_shards_back_to_back_and_fuses_without_a_copy(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    names = ["m.q_proj", "m.k_proj", "m.v_proj"]
+    tensors = {f"{n}.{s}": torch.randn(r, 16 if s == "weight" else 1, generator=g).bfloat16().squeeze(-1)
+               for n, r in zip(names, (8, 4, 4), strict=True) for s in ("weight", "bias")}  # fmt: skip
+    tensors["other"] = torch.arange(5, dtype=torch.int32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = open_checkpoint(LocalSource(tmp_path))
+    wanted = [f"{n}.{s}" for n in names for s in ("weight", "bias")]  # interleaved, as a plan asks
+    got = ckpt.read([*wanted, "other"])
+    assert list(got) == [*wanted, "other"]
+    for name, t in got.items():
+        assert torch.equal(t, tensors[name]), name
+    weights = [got[f"{n}.weight"] for n in names]
+    fused = cat_rows(weights)
+    assert torch.equal(fused, torch.cat(weights))
+    assert fused.data_ptr() == weights[0].data_ptr()  # a view: no copy
+    biases = cat_rows([got[f"{n}.bias"] for n in names])
+    assert torch.equal(biases, torch.cat([tensors[f"{n}.bias"] for n in names]))
+    apart = [weights[1], weights[0]]  # not back to back: an ordinary concatenation
+    assert (
+        torch.equal(cat_rows(apart), torch.cat(apart)) and cat_rows(apart).data_ptr() != weights[1].data_ptr()
+    )
+
+
+def _one_off(t: torch.Tensor, step: float) -> torch.Tensor:
+    bad = t.clone()
+    bad[3, 5] += step
+    return bad
+
+
+def test_dense_verification_catches_one_wrong_value() -> None:
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    src = DenseWeight(w)
+    assert compare_dense_stored(w, src).metric == "exact"  # the source tensor itself
+    assert compare_dense_stored(w.clone(), src).metric == "exact"
+    assert compare_dense_stored(w.float(), src).metric == "exact"  # widened (cpu stores fp32)
+    assert compare_dense_stored(w.half(), src).ok  # narrowed cast: within the cast bound
+    wrong = compare_dense_stored(_one_off(w, 0.5), src)
+    assert not wrong.ok and wrong.value > DENSE_CAST_REL_BOUND
+    assert not compare_dense_stored(_one_off(w.float(), 2.0**-6), src).ok
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    assert not compare_dense_stored(nan.clone(), DenseWeight(nan)).ok  # a NaN never passes a comparison
+    assert not compare(_one_off(w.float(), 1.0), src, torch.bfloat16, online_fp8=True).ok
+    assert compare(w.float(), src, torch.bfloat16, online_fp8=True).value <= FP8_REL_BOUND
+
+
+def test_a_wrong_dense_value_fails_the_conversion(
+    ckpt: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = DenseKernel.prepare
+
+    def one_wrong_value(
+        self: DenseKernel, weight: object, spec: object, **kw: object
+    ) -> dict[str, torch.Tensor]:
+        out = real(self, weight, spec, **kw)  # type: ignore[arg-type]
+        if "q_proj" in str(getattr(spec, "name", "")) or "qkv" in str(getattr(spec, "name", "")):
+            out["weight"] = out["weight"].clone()
+            out["weight"][0, 0] += 1.0
+        return out
+
+    monkeypatch.setattr(DenseKernel, "prepare", one_wrong_value)
+    with pytest.raises(VerificationError, match=r"qkv_proj.*dense"):
+        convert(ConversionRequest(str(ckpt("bf16")), ["sm80"], out=str(tmp_path / "out")))
