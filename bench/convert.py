@@ -6,7 +6,11 @@ subprocess (peak RSS = its ru_maxrss). Checkpoints: the synthetic ≥ 2 GB bf16 
 to .cache/kiln-test/synthetic-2g) and SmolLM2-135M bf16 if present (--smollm2 DIR or
 .cache/kiln-test/smollm2-bf16).
 
-    python bench/convert.py [--smollm2 DIR] [--skip-fp8]
+    python bench/convert.py [--smollm2 DIR] [--skip-fp8] [--omp-threads N]
+
+--omp-threads sets OMP_NUM_THREADS for the conversion children (default: torch's own default). On a
+heavily shared 2-core machine, torch's OpenMP teams spend most of their time waiting for a core;
+`--omp-threads 1` shows how much.
 Results: printed, and saved to bench/results/convert.json.
 """
 
@@ -54,8 +58,11 @@ print(json.dumps({"seconds": time.perf_counter() - t, "maxrss_bytes": rss}))
 """
 
 
+OMP_THREADS: dict[str, str] = {}  # set from --omp-threads
+
+
 def _child(code: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", **OMP_THREADS}
     proc = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False
     )
@@ -106,7 +113,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2 bf16 checkpoint directory")
     ap.add_argument("--skip-fp8", action="store_true", help="skip the (slower) online-FP8 runs")
+    ap.add_argument("--omp-threads", type=int, default=None, help="OMP_NUM_THREADS for the children")
     args = ap.parse_args()
+    if args.omp_threads:
+        OMP_THREADS["OMP_NUM_THREADS"] = str(args.omp_threads)
     from tests.convert.test_memory import ensure_big_checkpoint
 
     results = []
@@ -126,7 +136,8 @@ def main() -> None:
     out = REPO / "bench" / "results" / "convert.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "omp_threads": args.omp_threads, "load_avg": os.getloadavg()}  # fmt: skip
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(f"\nsaved {out}")
 

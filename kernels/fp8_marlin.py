@@ -65,7 +65,7 @@ class Fp8MarlinKernel(LinearKernel):
         if target not in FP8_MARLIN_TARGETS:
             return False, (
                 f"fp8_marlin targets sm80/sm86/sm89/sm90, not {target.value}; "
-                "FP8 checkpoints on sm75 need dequantizing to fp16 (dense)"
+                "FP8 on sm75 runs the fp8_w8a16 kernel"
             )
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason
@@ -127,7 +127,8 @@ def _marlin_scales(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
     n, k = spec.n, spec.k
     s = weight.scale.float()
     if weight.strategy == "tensor":
-        sizes = weight.shard_sizes or tuple(sh.size for sh in spec.shards) or (n,)
+        # One scale for the whole (possibly fused) layer, as online FP8 writes it, covers every row.
+        sizes = (n,) if s.numel() == 1 else weight.shard_sizes or tuple(sh.size for sh in spec.shards)
         if len(sizes) != s.numel() or sum(sizes) != n:
             raise LayoutError(f"{spec.name}: {s.numel()} per-tensor scales for shards {sizes} (N={n})")
         return torch.repeat_interleave(s.reshape(-1), torch.tensor(sizes)).reshape(1, n)

@@ -63,7 +63,7 @@ class Fp8W8A8Kernel(LinearKernel):
         if spec.fp8_strategy not in ("tensor", "channel"):
             return False, (
                 f"fp8_w8a8 takes per-tensor or per-channel weight scales, not {spec.fp8_strategy!r}; "
-                "block-scaled FP8 goes to fp8_marlin"
+                "block-scaled FP8 goes to fp8_marlin or fp8_w8a16"
             )
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason

@@ -512,3 +512,25 @@ def test_kernels_compile_for_cuda_targets() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "compile check: 0 failure(s)" in proc.stdout
+
+
+def test_fp8_marlin_fused_layer_with_one_online_scale() -> None:
+    """Online FP8 quantizes a fused layer with one per-tensor scale and no shard sizes."""
+    from kernels.base import ShardSpec
+
+    k = kernel("fp8_marlin")
+    w = quantize_fp8(torch.randn(192, 256) * 0.05, "tensor")
+    assert w.scale.numel() == 1 and not w.shard_sizes
+    spec = LinearSpec(
+        name="model.layers.0.self_attn.qkv_proj",
+        scheme="fp8",
+        n=192,
+        k=256,
+        bits=8,
+        fp8_strategy="tensor",
+        act_dtype="bfloat16",
+        shards=(ShardSpec("q", 128), ShardSpec("k", 32), ShardSpec("v", 32)),
+    )
+    tensors = k.prepare(w, spec)
+    got, want = k.dequantize(tensors, spec), w.dequantize()
+    assert bool(((got - want).abs() <= FP8_SCALE_CAST_REL[torch.bfloat16] * want.abs()).all())
