@@ -257,7 +257,11 @@ class Attention(nn.Module):
             else:
                 cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(self.layer_idx, ctx.read_slots, ctx.read_len)
+            if ctx.mask is not None and ctx.attn_dtype != q.dtype:
+                # torch's CPU SDPA with a mask is ≈3x slower in bf16 than in fp32 (measured, B=8)
+                q, keys, values = q.to(ctx.attn_dtype), keys.to(ctx.attn_dtype), values.to(ctx.attn_dtype)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+            out = out.to(v.dtype)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj.forward(out)
 
@@ -299,6 +303,7 @@ class ForwardContext:
     cos: torch.Tensor  # (B, 1, T, head_dim): cos | cos
     sin: torch.Tensor  # (B, 1, T, head_dim): -sin | sin
     act_dtype: torch.dtype = torch.float32
+    attn_dtype: torch.dtype = torch.float32  # batched decode attention (the residual dtype)
     prefill_slot: int | None = None
     slots: torch.Tensor | None = None  # (B,) decode: cache slot of each sequence
     positions: torch.Tensor | None = None  # (B,) decode: position of the new token
@@ -320,7 +325,11 @@ class LlamaForCausalLM(nn.Module):
             )
         self.cfg = cfg
         self.world_size = world_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # `_weight` skips nn.Embedding's normal_ init: on the meta device that init imports
+        # torch._dynamo (≈1.5 s of a cold start) only to be overwritten by the artifact's tensor.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, world_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -330,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.dtype = torch.float32
         self.residual_dtype = torch.float32
+        self._head_bf16: torch.Tensor | None = None
         self.device = torch.device("cpu")
         self.cos = self.sin = torch.empty(0)
 
@@ -374,12 +384,29 @@ class LlamaForCausalLM(nn.Module):
         assert w is not None
         if w.dtype == hidden.dtype:
             return F.linear(hidden, w).float()
-        logits = F.linear(hidden.to(w.dtype), w).float()
+        gemm_w = w
+        if (
+            w.dtype == torch.float16
+            and self.device.type == "cpu"
+            and hidden.dim() > 1
+            and hidden.shape[0] > 1
+        ):
+            gemm_w = self._lm_head_bf16()
+        logits = F.linear(hidden.to(gemm_w.dtype), gemm_w).float()
         # The GEMM rounds every logit to w's dtype; recompute the top few in fp32 from the fp32 hidden
         # state so that greedy choices and the leading logprobs are not decided by that rounding.
         top = logits.topk(LM_HEAD_EXACT_TOP, dim=-1).indices  # (..., k)
         exact = (w[top].to(hidden.dtype) @ hidden.unsqueeze(-1)).squeeze(-1)  # (..., k)
         return logits.scatter_(-1, top, exact)
+
+    def _lm_head_bf16(self) -> torch.Tensor:
+        """A bf16 copy of an fp16 lm_head weight, made on the first call with several rows: CPU fp16
+        GEMMs are fast for one row (3 ms for SmolLM2's head) but ≈10x slower than bf16 for 8 rows.
+        The top logits are recomputed from the fp16 weight, so the copy's rounding never picks them."""
+        if self._head_bf16 is None:
+            assert self.lm_head_weight is not None
+            self._head_bf16 = self.lm_head_weight.to(torch.bfloat16)
+        return self._head_bf16
 
     def prefill(
         self, input_ids: torch.Tensor, slot: int, cache: KVCache, *, all_logits: bool = False
@@ -424,6 +451,7 @@ class LlamaForCausalLM(nn.Module):
             cos=self.cos[pos][:, None, None],
             sin=self.sin[pos][:, None, None],
             act_dtype=self.dtype,
+            attn_dtype=self.residual_dtype,
             slots=slot_t,
             positions=pos,
             read_slots=read_slots,

@@ -28,6 +28,7 @@ from kernels.errors import KilnError
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 48
+CACHED_S = 1.0  # a step this quick found its result in the cache
 
 console = Console()
 
@@ -47,7 +48,9 @@ def _step(message: str, fn: Callable[[], Path]) -> Path:
     console.print(f"[bold]→[/bold] {message}")
     started = time.perf_counter()
     path = fn()
-    console.print(f"  [green]done[/green] in {time.perf_counter() - started:.1f} s: {path}")
+    elapsed = time.perf_counter() - started
+    how = "reused from the cache" if elapsed < CACHED_S else f"done in {elapsed:.1f} s"
+    console.print(f"  [green]{how}[/green]: {path}")
     return path
 
 

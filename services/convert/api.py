@@ -108,8 +108,8 @@ def convert(
     ]
     store = open_store(req.out or settings.resolved_store_url, settings)
     if progress:
-        progress(Progress("hashing", 0, 0, 0, ckpt.total_bytes, "sha256 of the source files"))
-    ckpt.file_hashes()
+        progress(Progress("hashing", 0, 0, 0, ckpt.total_bytes, "sha256 of the sources, while converting"))
+    ckpt.start_hashing()
     if workdir is None and isinstance(store, LocalStore):
         workdir = store.root / STAGING_DIR  # same filesystem: finished rank files are renamed, not copied
         workdir.mkdir(parents=True, exist_ok=True)

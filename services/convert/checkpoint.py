@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -60,6 +60,7 @@ class Checkpoint:
     weight_files: list[str]
     side_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # quantize_config.json, ...
     _hashes: dict[str, str] | None = None
+    _hash_future: Future[dict[str, str]] | None = None
 
     @property
     def uri(self) -> str:
@@ -144,25 +145,42 @@ class Checkpoint:
     def read_one(self, name: str) -> torch.Tensor:
         return self.read([name])[name]
 
+    def start_hashing(self) -> None:
+        """Begin `file_hashes()` on a background thread (idempotent), so a conversion can run while
+        the source files are hashed; `hashes_if_ready()` polls, `file_hashes()` waits."""
+        if self._hashes is None and self._hash_future is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-hash-all")
+            self._hash_future = pool.submit(self._compute_hashes)
+            pool.shutdown(wait=False)
+
+    def hashes_if_ready(self) -> dict[str, str] | None:
+        if self._hashes is None and self._hash_future is not None and self._hash_future.done():
+            return self.file_hashes()
+        return self._hashes
+
     def file_hashes(self) -> dict[str, str]:
         """sha256 of every file the conversion reads (configs, weights, tokenizer), computed once."""
         if self._hashes is None:
-            names = sorted(
-                {
-                    "config.json",
-                    *self.weight_files,
-                    *self.present_side_files(),
-                    *(n for n in QUANT_SIDE_CONFIGS if n in self.side_configs),
-                }
-            )
-            if self.source.exists(INDEX_NAME):
-                names.append(INDEX_NAME)
-            ordered = sorted(set(names))
-            # hashlib and file/network reads release the GIL: hash the files in parallel
-            with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="kiln-hash") as pool:
-                digests = list(pool.map(self._sha256, ordered))
-            self._hashes = dict(zip(ordered, digests, strict=True))
+            future, self._hash_future = self._hash_future, None
+            self._hashes = future.result() if future is not None else self._compute_hashes()
         return self._hashes
+
+    def _compute_hashes(self) -> dict[str, str]:
+        names = sorted(
+            {
+                "config.json",
+                *self.weight_files,
+                *self.present_side_files(),
+                *(n for n in QUANT_SIDE_CONFIGS if n in self.side_configs),
+            }
+        )
+        if self.source.exists(INDEX_NAME):
+            names.append(INDEX_NAME)
+        ordered = sorted(set(names))
+        # hashlib and file/network reads release the GIL: hash the files in parallel
+        with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="kiln-hash") as pool:
+            digests = list(pool.map(self._sha256, ordered))
+        return dict(zip(ordered, digests, strict=True))
 
     def _sha256(self, name: str) -> str:
         path = self.source.local_path(name)

@@ -1,10 +1,13 @@
 """Convert one planned (checkpoint, target, tp) into a committed artifact, layer by layer.
 
-Per linear layer: read its source tensors (memory-mapped / ranged GETs), decode every shard into a
-canonical weight, then per TP rank slice + fuse, quantize online (--method fp8), `kernel.prepare`,
-verify `kernel.dequantize` against the source, and append the tensors to that rank's streaming
-safetensors writer. Only one layer's tensors are in memory at a time. Files are staged through the
-store's writer; manifest.json is written last (the commit point); any failure or cancellation
+Per linear layer: read its source tensors (positioned reads into one buffer / ranged GETs), decode
+every shard into a canonical weight, then per TP rank slice + fuse (a view when the shards lie back
+to back), quantize online (--method fp8), `kernel.prepare`, verify `kernel.dequantize` against the
+source (a dense kernel's stored weight directly), and append the tensors to that rank's streaming
+safetensors writer, which writes each byte once on a background thread. Only one layer's tensors
+are in memory at a time. The source files are hashed in parallel with the conversion; the artifact
+id (and with it the no-op check) follows as soon as the hashes are in. Files are staged through
+the store's writer; manifest.json is written last (the commit point); any failure or cancellation
 aborts the writer so nothing is left visible.
 """
 
@@ -45,7 +48,7 @@ from services.convert.plan import Plan, PlannedLayer
 from services.convert.safetensors_io import StreamingSafetensorsWriter
 from services.convert.tp import column_range, fuse, slice_cols, slice_rows
 from services.convert.verify import compare, compare_dense_stored
-from services.storage.base import ArtifactStore
+from services.storage.base import ArtifactStore, ArtifactWriter
 from services.storage.errors import ArtifactExistsError
 
 log = logging.getLogger(__name__)
@@ -197,6 +200,44 @@ def _other_tensor(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     return t
 
 
+def _reuse(store: ArtifactStore, aid: str, plan: Plan) -> ConversionResult | None:
+    if not store.exists(aid):
+        return None
+    log.info("artifact %s already exists at %s: nothing to do", aid, store.uri(aid))
+    return ConversionResult(
+        aid, plan.target.value, plan.tp, store.uri(aid), Manifest.parse(store.read_manifest(aid)), reused=True
+    )
+
+
+class _Staging:
+    """The scratch directory for the rank files and the store's writer. The artifact id needs the
+    source hashes, which are computed while converting: until then the scratch directory is named
+    `pending-scratch-*`; once the id is known it is renamed `{id}-scratch-*` (like the store's
+    staging entries, so a dead attempt's leftovers are found by id) and the store's writer begins."""
+
+    def __init__(self, store: ArtifactStore, workdir: Path | None) -> None:
+        self.store = store
+        self.scratch = Path(tempfile.mkdtemp(prefix="pending-scratch-", dir=workdir))
+        self.aid: str | None = None
+        self.writer: ArtifactWriter | None = None
+
+    def named(self, aid: str, rank_writers: list[StreamingSafetensorsWriter]) -> None:
+        renamed = self.scratch.with_name(f"{aid}-scratch-{self.scratch.name.rsplit('-', 1)[-1]}")
+        self.scratch.rename(renamed)  # open files follow the directory
+        self.scratch = renamed
+        for w in rank_writers:
+            w.moved_to(renamed)
+        self.aid = aid
+        self.writer = self.store.begin(aid)
+
+
+def _discard(rank_writers: list[StreamingSafetensorsWriter], staged: _Staging) -> None:
+    for w in rank_writers:
+        w.discard()
+    if staged.writer is not None:
+        staged.writer.abort()
+
+
 def convert_plan(
     ckpt: Checkpoint,
     fmt: CheckpointFormat,
@@ -207,27 +248,19 @@ def convert_plan(
     should_cancel: CancelFn | None = None,
     workdir: Path | None = None,
 ) -> ConversionResult:
-    hashes = ckpt.file_hashes()
-    aid = plan_artifact_id(plan, hashes)
-    if store.exists(aid):
-        log.info("artifact %s already exists at %s: nothing to do", aid, store.uri(aid))
-        return ConversionResult(
-            aid,
-            plan.target.value,
-            plan.tp,
-            store.uri(aid),
-            Manifest.parse(store.read_manifest(aid)),
-            reused=True,
-        )
+    ckpt.start_hashing()  # the source is hashed while it is converted (one more reader, no extra pass)
+    hashes = ckpt.hashes_if_ready()
+    if hashes is not None:
+        reused = _reuse(store, plan_artifact_id(plan, hashes), plan)
+        if reused is not None:
+            return reused
     report = progress or (lambda p: None)
     cancelled = should_cancel or (lambda: False)
     started = time.monotonic()
-    writer = store.begin(aid)
-    # named like the store's staging entries ({id}-...), so a dead attempt's leftovers are found by id
-    scratch = Path(tempfile.mkdtemp(prefix=f"{aid}-scratch-", dir=workdir))
+    staged = _Staging(store, workdir)
     reserve = _header_reserve(plan)
     rank_writers = [
-        StreamingSafetensorsWriter(scratch / f"rank{r}.safetensors", reserve_header_bytes=reserve)
+        StreamingSafetensorsWriter(staged.scratch / f"rank{r}.safetensors", reserve_header_bytes=reserve)
         for r in range(plan.tp)
     ]
     total = len(plan.layers) + 1
@@ -243,6 +276,12 @@ def convert_plan(
                     f"conversion of {plan.source} for {plan.target.value} cancelled at layer {pl.name}"
                 )
             entries[pl.name] = convert_layer(ckpt, fmt, plan, pl, rank_writers)
+            if staged.aid is None and (hashes := ckpt.hashes_if_ready()) is not None:
+                aid = plan_artifact_id(plan, hashes)
+                if (reused := _reuse(store, aid, plan)) is not None:
+                    _discard(rank_writers, staged)
+                    return reused
+                staged.named(aid, rank_writers)
             bytes_done += sum(ckpt.info(t).nbytes for t in pl.source_tensors)
             report(
                 Progress(
@@ -257,6 +296,16 @@ def convert_plan(
                 w.add(name, t)
             bytes_done += ckpt.info(name).nbytes
         report(Progress("writing", total, total, bytes_done, bytes_total, "rank files"))
+        if staged.aid is None:
+            hashes = ckpt.file_hashes()
+            if (reused := _reuse(store, plan_artifact_id(plan, hashes), plan)) is not None:
+                _discard(rank_writers, staged)
+                return reused
+            staged.named(plan_artifact_id(plan, hashes), rank_writers)
+        hashes = ckpt.file_hashes()
+        aid = staged.aid
+        writer = staged.writer
+        assert aid is not None and writer is not None
         files: list[FileEntry] = []
         for rank, (w, path) in enumerate(zip(rank_writers, _finish_all(rank_writers), strict=True)):
             size, digest = writer.put_file(path.name, path, move=True, sha256=w.sha256)
@@ -309,11 +358,9 @@ def convert_plan(
             reused=True,
         )
     except BaseException:
-        for w in rank_writers:
-            w.discard()
-        writer.abort()
+        _discard(rank_writers, staged)
         raise
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(staged.scratch, ignore_errors=True)
     report(Progress("done", total, total, bytes_done, bytes_total, aid))
     return ConversionResult(aid, plan.target.value, plan.tp, store.uri(aid), manifest, reused=False)

@@ -232,6 +232,11 @@ class StreamingSafetensorsWriter:
         moved.unlink()
         self._reserve = reserve
 
+    def moved_to(self, directory: Path) -> None:
+        """The directory holding the (open) files was renamed to `directory`."""
+        self.path = directory / self.path.name
+        self.scratch = directory / self.scratch.name
+
     def discard(self) -> None:
         for fut, _ in self._pending:
             fut.cancel()

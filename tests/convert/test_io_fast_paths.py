@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +20,12 @@ from safetensors.torch import save_file
 from kernels.base import DenseWeight
 from kernels.dense import DenseKernel
 from services.convert.api import ConversionRequest, VerificationError, convert
-from services.convert.checkpoint import open_checkpoint
+from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.pipeline import Progress
 from services.convert.safetensors_io import StreamingSafetensorsWriter
 from services.convert.tp import cat_rows
 from services.convert.verify import DENSE_CAST_REL_BOUND, FP8_REL_BOUND, compare, compare_dense_stored
-from services.storage.local import LocalSource
+from services.storage.local import LocalSource, LocalStore
 
 
 def _mixed_tensors() -> dict[str, torch.Tensor]:
@@ -146,3 +149,45 @@ def test_a_wrong_dense_value_fails_the_conversion(
     monkeypatch.setattr(DenseKernel, "prepare", one_wrong_value)
     with pytest.raises(VerificationError, match=r"qkv_proj.*dense"):
         convert(ConversionRequest(str(ckpt("bf16")), ["sm80"], out=str(tmp_path / "out")))
+
+
+@pytest.mark.parametrize("hashes_at", ["converting", "writing"])
+def test_source_hashes_arrive_while_converting(
+    ckpt: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashes_at: str
+) -> None:
+    """The artifact id follows the source hashes, which finish mid-way (or only at the end): a fresh
+    conversion commits under that id, a repeated one stops early as a no-op, and no scratch is left."""
+    src, out, work = str(ckpt("bf16")), tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    real = Checkpoint._compute_hashes
+    gate = threading.Event()
+
+    def slow_hashes(self: Checkpoint) -> dict[str, str]:
+        assert gate.wait(60), "the test never released the hashes"
+        return real(self)
+
+    def release(p: Progress) -> None:
+        if p.stage == hashes_at and (p.stage == "writing" or p.done == 3):
+            gate.set()
+            time.sleep(0.2)  # let the hashing thread finish before the next poll
+
+    monkeypatch.setattr(Checkpoint, "_compute_hashes", slow_hashes)
+    (first,) = convert(ConversionRequest(src, ["cpu"], out=str(out)), progress=release, workdir=work)
+    gate.clear()
+    seen: list[Progress] = []
+
+    def release_and_record(p: Progress) -> None:
+        seen.append(p)
+        release(p)
+
+    (again,) = convert(
+        ConversionRequest(src, ["cpu"], out=str(out)), progress=release_and_record, workdir=work
+    )
+    assert not first.reused and again.reused and again.artifact_id == first.artifact_id
+    monkeypatch.setattr(Checkpoint, "_compute_hashes", real)
+    (plain,) = convert(ConversionRequest(src, ["cpu"], out=str(tmp_path / "plain")))
+    assert plain.artifact_id == first.artifact_id and plain.manifest.source == first.manifest.source
+    if hashes_at == "converting":  # stopped as soon as the id was known
+        assert max(p.done for p in seen if p.stage == "converting") < len(first.manifest.layers)
+    assert list(work.iterdir()) == [] and LocalStore(out).staging_entries() == []
+    assert LocalStore(out).list_ids() == [first.artifact_id]

@@ -1,0 +1,64 @@
+"""`bind_apply` (the runtime's pre-resolved hot path) returns what `apply` returns, for every
+activation dtype the runtime uses, on cpu_int4 (symmetric, asymmetric, act-order, bias) and cpu_fp8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.base import Fp8Weight, LinearSpec
+from kernels.codecs.fp8 import quantize_fp8
+from kernels.cpu_fp8 import CpuFp8Kernel
+from kernels.cpu_int4 import CpuInt4Kernel
+from tests.kernels.test_cpu_kernels import int_spec, int_weight
+
+# Both paths run the same ops on the same bf16 inputs; only the fp32 summation order of the
+# asymmetric / bias terms may differ, which can move an output by one bf16 rounding.
+BIND_APPLY_REL_TOL = 2**-8
+ROWS = (1, 3, 8)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    err = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    assert err < BIND_APPLY_REL_TOL, f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "symmetric,act_order,bias", [(True, False, False), (False, False, True), (True, True, True)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_bind_apply_equals_apply(
+    symmetric: bool, act_order: bool, bias: bool, dtype: torch.dtype
+) -> None:
+    w = int_weight(64, 256, symmetric=symmetric, act_order=act_order, bias=bias)
+    spec = int_spec(w, act_order=act_order)
+    kernel = CpuInt4Kernel()
+    tensors = kernel.prepare(w, spec)
+    run = kernel.bind_apply(tensors, spec)
+    for m in ROWS:
+        x = torch.randn(2, m, spec.k).to(dtype)
+        _close(run(x), kernel.apply(x, tensors, spec))
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_bind_apply_equals_apply(strategy: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(64, 256, generator=gen)
+    weight: Fp8Weight = quantize_fp8(dense, strategy, block_size=(32, 128))  # type: ignore[arg-type]
+    spec = LinearSpec(
+        name="model.layers.0.mlp.down_proj",
+        scheme="fp8",
+        n=64,
+        k=256,
+        bits=8,
+        fp8_strategy=weight.strategy,
+        block_size=weight.block_size,
+    )
+    kernel = CpuFp8Kernel()
+    tensors = kernel.prepare(weight, spec)
+    run = kernel.bind_apply(tensors, spec)
+    for m in ROWS:
+        x = torch.randn(m, spec.k).to(dtype)
+        _close(run(x), kernel.apply(x, tensors, spec))
