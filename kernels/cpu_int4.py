@@ -269,10 +269,17 @@ class CpuInt4Kernel(LinearKernel):
         return y.to(x.dtype).reshape(*lead, n)
 
     def bind_apply(
-        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec, *, exact_zero_offsets: bool = False
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """`apply` with everything resolved once (the runtime's hot path): repacks for this CPU now
-        if needed, then each call is the op plus, for asymmetric layers, one fused addmm."""
+        if needed, then each call is one op (plus the bias).
+
+        Asymmetric layers: the zero offsets `(8 - z) * s` go into the op's zero column rounded to
+        bf16 (a (K // op_group, N, 2) copy of `scales_and_zeros`, ≈1/16 of the packed weight)
+        instead of the exact fp32 `group_sums(x) @ zero_offsets` term `apply` adds. That moves a
+        weight by ≤ 2^-9 |(8 - z) s| ≤ s / 64 (a 64th of a quantization step; the rounding itself
+        is ≈ s / 3.5 rms) and saves four ops per call: ≈25 % of an AWQ SmolLM2 decode step.
+        `exact_zero_offsets=True` keeps `apply`'s exact form."""
         if stored_pack_format(tensors) != runtime_pack_format():
             _repack_for_this_cpu(tensors, spec)
         k, n = spec.k, spec.n
@@ -282,6 +289,12 @@ class CpuInt4Kernel(LinearKernel):
         offsets = tensors.get("zero_offsets")  # (G, N) fp32
         bias = tensors.get("bias")
         groups = offsets.shape[0] if offsets is not None else 1
+        if offsets is not None and not exact_zero_offsets:
+            zero = offsets.to(torch.bfloat16).repeat_interleave(
+                sz.shape[0] // groups, dim=0
+            )  # (K // op_group, N)
+            sz = torch.stack([sz[..., 0], zero], dim=-1).contiguous()  # (K // op_group, N, 2) bf16
+            offsets = None
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         bf16 = torch.bfloat16
 

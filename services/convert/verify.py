@@ -17,7 +17,6 @@ Bounds (named, documented):
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -102,23 +101,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _widened_bf16_equal(stored: torch.Tensor, w: torch.Tensor) -> bool:
-    """fp32 `stored` is exactly bf16 `w` widened: each fp32 holds the bf16 bits in its high half and
-    zeros in its low half. Compared as int16 halves in place: no fp32 copy of `w`."""
-    if not (
-        stored.dtype == torch.float32
-        and w.dtype == torch.bfloat16
-        and stored.shape == w.shape
-        and stored.dim() > 0
-        and stored.is_contiguous()
-        and w.is_contiguous()
-        and sys.byteorder == "little"
-    ):
-        return False
-    halves = stored.view(torch.int16).reshape(*stored.shape, 2)  # [..., 0] low, [..., 1] high
-    return not bool(halves[..., 0].any()) and torch.equal(halves[..., 1], w.view(torch.int16))
-
-
 def compare_dense_stored(stored: torch.Tensor, source: DenseWeight) -> LayerVerification:
     """A dense layer whose kernel stores the weight itself (dequantize = `.float()`): the stored
     tensor against the source weight directly — equal when the dtype is kept, else within the cast
@@ -127,8 +109,6 @@ def compare_dense_stored(stored: torch.Tensor, source: DenseWeight) -> LayerVeri
     non-finite source value is then carried as is, like a plain copy)."""
     w = source.weight
     if _same_view(stored, w):  # the kernel stores the source tensor itself: its bytes are written as is
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
-    if _widened_bf16_equal(stored, w):
         return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
     if stored.dtype == w.dtype and stored.shape == w.shape and torch.equal(stored, w):  # NaN never equal
         return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
