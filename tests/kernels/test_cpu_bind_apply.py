@@ -10,7 +10,7 @@ from kernels.base import Fp8Weight, LinearSpec
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
-from tests.kernels.test_cpu_kernels import int_spec, int_weight
+from tests.kernels.test_cpu_kernels import BF16_GEMM_REL_ERR, int_spec, int_weight
 
 # Both paths run the same ops on the same bf16 inputs; only the fp32 summation order of the
 # asymmetric / bias terms may differ, which can move an output by one bf16 rounding.
@@ -35,10 +35,25 @@ def test_int4_bind_apply_equals_apply(
     spec = int_spec(w, act_order=act_order)
     kernel = CpuInt4Kernel()
     tensors = kernel.prepare(w, spec)
-    run = kernel.bind_apply(tensors, spec)
+    run = kernel.bind_apply(tensors, spec, exact_zero_offsets=True)
     for m in ROWS:
         x = torch.randn(2, m, spec.k).to(dtype)
         _close(run(x), kernel.apply(x, tensors, spec))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_int4_bind_apply_folded_zero_offsets_match_reference(m: int) -> None:
+    """Default asymmetric path (bf16 zero offsets in the op's zero column) against the fp32
+    dequantized reference, with the same tolerance as `apply`."""
+    w = int_weight(576, 1536, symmetric=False)
+    spec = int_spec(w)
+    kernel = CpuInt4Kernel()
+    tensors = kernel.prepare(w, spec)
+    run = kernel.bind_apply(tensors, spec)
+    x = torch.randn(m, spec.k).to(torch.bfloat16)
+    y, ref = run(x), kernel.reference(x, tensors, spec)
+    err = float((y.float() - ref.float()).norm() / ref.float().norm())
+    assert y.dtype == torch.bfloat16 and err < BF16_GEMM_REL_ERR, f"rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("strategy", ["channel", "block"])
