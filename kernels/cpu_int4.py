@@ -298,6 +298,18 @@ class CpuInt4Kernel(LinearKernel):
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         bf16 = torch.bfloat16
 
+        if perm is None and offsets is None and bias is None:
+
+            def run_plain(x: torch.Tensor) -> torch.Tensor:
+                """The common layer: one op, plus the conversions a non-bf16 x needs."""
+                x2 = x.reshape(-1, k)
+                if x.dtype == bf16:
+                    return int4_mm(x2.contiguous(), qweight, op_group, sz).view(*x.shape[:-1], n)
+                y = int4_mm(x2.to(bf16).contiguous(), qweight, op_group, sz)
+                return y.to(x.dtype).view(*x.shape[:-1], n)
+
+            return run_plain
+
         def run(x: torch.Tensor) -> torch.Tensor:
             lead = x.shape[:-1]
             x2 = x.reshape(-1, k)

@@ -92,7 +92,7 @@ class KVCache:
 
     def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.fp8:
-            return x
+            return x.to(self.storage_dtype)  # decode hands k in the rope dtype (fp32 on CPU)
         return (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
     def _load(self, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -126,14 +126,30 @@ class KVCache:
     ) -> None:
         """k, v: (kv_heads, head_dim), the new position of one sequence (batch-1 decode)."""
         self._record(layer, k, v)
-        self.k[layer][slot, :, position] = self._store(k, self.k_scale[layer])
-        self.v[layer][slot, :, position] = self._store(v, self.v_scale[layer])
+        if self.fp8:
+            self.k[layer][slot, :, position] = self._store(k, self.k_scale[layer])
+            self.v[layer][slot, :, position] = self._store(v, self.v_scale[layer])
+        else:  # copy_ rounds to the cache dtype itself
+            self.k[layer][slot, :, position].copy_(k)
+            self.v[layer][slot, :, position].copy_(v)
 
     def read(self, layer: int, slots: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, kv_heads, length, head_dim) keys and values in the compute dtype."""
         k = self.k[layer][slots, :, :length]
         v = self.v[layer][slots, :, :length]
         return self._load(k, self.k_scale[layer]), self._load(v, self.v_scale[layer])
+
+    def read_as(
+        self, layer: int, slots: slice | torch.Tensor, length: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` converted to `dtype`: (B, kv_heads, length, head_dim) keys and values. Without FP8,
+        keys and values are converted together (one op on a (2, B, kv_heads, length, head_dim) view)."""
+        if self.fp8:
+            k, v = self.read(layer, slots, length)
+            return k.to(dtype), v.to(dtype)
+        kv = self.data[:, layer][:, slots, :, :length]  # (2, B, kv_heads, length, head_dim)
+        k, v = kv.to(dtype).unbind(0)
+        return k, v
 
     def begin_calibration(self) -> None:
         self._observe = [[0.0, 0.0] for _ in self.k]

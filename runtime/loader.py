@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 import mmap
-import struct
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from kernels.base import Target
 from kernels.errors import KilnError
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
+from runtime.artifact.safetensors_header import SafetensorsFormatError, header_length, validate_header
 from runtime.kv_cache import KvCacheDtype
 from runtime.model import LlamaForCausalLM, ModelConfig, residual_dtype
 from runtime.tokenizer import load_tokenizer
@@ -50,6 +51,13 @@ class LoadError(KilnError):
     """The artifact's files do not match its manifest or the model it describes."""
 
 
+class CorruptRankFileError(LoadError, SafetensorsFormatError):
+    """A rank file's safetensors header is malformed (the artifact is corrupt or was tampered with)."""
+
+
+ARTIFACT_FIX = "the artifact is corrupt: delete it from the cache and pull it again, or re-convert"
+
+
 class TargetMismatchError(KilnError):
     """The artifact was converted for a different machine than this one."""
 
@@ -70,26 +78,30 @@ class MappedFile:
 
 
 def map_safetensors(path: Path) -> MappedFile:
-    """Memory-map a safetensors file and view every tensor in place (no copy, no read)."""
+    """Memory-map a safetensors file and view every tensor in place (no copy, no read).
+
+    The header is validated first (CorruptRankFileError): every view lies inside the mapping."""
     with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise CorruptRankFileError(f"{path.name}: too short to be a safetensors file; {ARTIFACT_FIX}")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    (header_len,) = struct.unpack("<Q", mapping[:8])
-    header: dict[str, Any] = json.loads(mapping[8 : 8 + header_len])
-    header.pop("__metadata__", None)
+    try:
+        header_len = header_length(path.name, mapping[:8], size, error=CorruptRankFileError)
+        parsed = validate_header(path.name, mapping[: 8 + header_len], size, error=CorruptRankFileError)
+    except BaseException:
+        mapping.close()
+        raise
     base = torch.frombuffer(mapping, dtype=torch.uint8)
-    data_start = 8 + header_len
+    data_start = parsed.data_start
     tensors: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise LoadError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        raw = base[data_start + begin : data_start + end]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if (data_start + begin) % itemsize:
+    for name, info in parsed.tensors.items():
+        dtype = SAFETENSORS_DTYPES[info.dtype]
+        raw = base[data_start + info.begin : data_start + info.end]
+        if (data_start + info.begin) % dtype.itemsize:
             log.warning("%s: tensor %s is misaligned in the file; copying it", path.name, name)
             raw = raw.clone()
-        tensors[name] = raw.view(dtype).view(info["shape"])
+        tensors[name] = raw.view(dtype).view(info.shape)
     return MappedFile(path=path, mapping=mapping, base=base, tensors=tensors)
 
 

@@ -47,6 +47,7 @@ from runtime.kv_cache import KVCache
 # decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
 # the true maximum is always among the top few of the rounded logits.
 LM_HEAD_EXACT_TOP = 8
+TOP_K_BLOCK = 128  # block size of `top_k_indices`' first pass
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
@@ -169,9 +170,24 @@ def rope_tables_full(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor
 
 
 def apply_rope_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` in 3 ops: x * (cos|cos) + (x2|x1) * (-sin|sin). Tables (B, 1, T, head_dim)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos_full, torch.cat((x2, x1), dim=-1), sin_signed)
+    """`apply_rope` in 3 ops: x * (cos|cos) + (x2|x1) * (-sin|sin). Tables (B, 1, T, head_dim).
+
+    (x2|x1) is x rolled by half a head: one op instead of two slices and a cat, same values."""
+    return torch.addcmul(x * cos_full, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+def top_k_indices(x: torch.Tensor, k: int, block: int = TOP_K_BLOCK) -> torch.Tensor:
+    """`x.topk(k, dim=-1).indices` (the same set up to ties) in two small top-k passes: the k
+    largest values lie in the k blocks with the largest maxima. Over a vocabulary, a plain top-k
+    allocates a (value, index) buffer the size of the row per call (≈0.3 ms measured at 49k)."""
+    v = x.shape[-1]
+    if v % block or v // block < k:
+        return x.topk(k, dim=-1).indices
+    blocks = x.unflatten(-1, (v // block, block))  # (..., V // block, block)
+    best = blocks.amax(-1).topk(k, dim=-1).indices  # (..., k) blocks holding the top k
+    within = torch.take_along_dim(blocks, best.unsqueeze(-1), dim=-2).flatten(-2)  # (..., k * block)
+    idx = within.topk(k, dim=-1).indices
+    return best.gather(-1, idx // block) * block + idx % block
 
 
 def residual_dtype(act_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -203,6 +219,8 @@ class KernelLinear(nn.Module):
         # and option resolved once (no dict lookups or checks per call); others run `apply`.
         bind_apply = getattr(kernel, "bind_apply", None)
         self._apply = bind_apply(tensors, spec) if bind_apply is not None else self._generic_apply
+        if not self.all_reduce:  # `forward` is then the bound closure itself: one call less per use
+            self.forward = self._apply  # type: ignore[method-assign]
 
     def _generic_apply(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(x, self.tensors, self.spec)  # type: ignore[union-attr]
@@ -242,27 +260,34 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
+        head_dim = self.head_dim
         qk, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
         # q and k heads rotated in one call (in the tables' dtype): (b, heads + kv_heads, t, head_dim)
-        qk = apply_rope_full(qk.view(b, t, -1, self.head_dim).transpose(1, 2), ctx.cos, ctx.sin).to(v.dtype)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qk = apply_rope_full(qk.view(b, t, -1, head_dim).transpose(1, 2), ctx.cos, ctx.sin)
+        v = v.view(b, t, self.num_kv_heads, head_dim).transpose(1, 2)
         cache = ctx.cache
         if ctx.prefill_slot is not None:  # one sequence from position 0: attend to itself, causally
+            qk = qk.to(v.dtype)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         else:  # one new token per sequence at its own position
+            # q and k stay in the rope dtype: the cache write rounds k to the cache dtype, and the
+            # attention runs in `attn_dtype` (fp32 on CPU, where torch's bf16 SDPA is 2.5-5x slower
+            # than converting the cached keys/values and running it in fp32, measured at B=1 and 8).
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             if ctx.single is not None:  # batch 1: plain slice copies, no index tensors
                 cache.write_decode_one(self.layer_idx, *ctx.single, k[0, :, 0], v[0, :, 0])
             else:
                 cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
-            keys, values = cache.read(self.layer_idx, ctx.read_slots, ctx.read_len)
-            if ctx.mask is not None and ctx.attn_dtype != q.dtype:
-                # torch's CPU SDPA with a mask is ≈3x slower in bf16 than in fp32 (measured, B=8)
-                q, keys, values = q.to(ctx.attn_dtype), keys.to(ctx.attn_dtype), values.to(ctx.attn_dtype)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
-            out = out.to(v.dtype)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+            keys, values = cache.read_as(self.layer_idx, ctx.read_slots, ctx.read_len, ctx.attn_dtype)
+            out = F.scaled_dot_product_attention(
+                q.to(keys.dtype), keys, values, attn_mask=ctx.mask, enable_gqa=True
+            ).to(v.dtype)
+        if t == 1:  # (b, heads, 1, head_dim) is laid out as (b, 1, heads * head_dim) already
+            out = out.reshape(b, 1, self.num_heads * head_dim)
+        else:
+            out = out.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
         return self.o_proj.forward(out)
 
 
@@ -276,8 +301,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        # SwiGLU in fp32 on CPU (one rounding to bf16 at down_proj's input instead of three)
-        return self.down_proj.forward(F.silu(gate.to(self.residual_dtype)).mul_(up))
+        # SwiGLU in fp32 on CPU, rounded once to the activation dtype at down_proj's input (which
+        # the kernel would do itself; explicit, its output stays in that dtype for the residual add)
+        return self.down_proj.forward(F.silu(gate.to(self.residual_dtype)).mul_(up).to(gate_up.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -291,8 +317,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         act = ctx.act_dtype
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x).to(act), ctx)
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x).to(act)))
+        norm = self.input_layernorm
+        x = x + self.self_attn.forward(F.rms_norm(x, norm.shape, norm.weight, norm.eps).to(act), ctx)
+        norm = self.post_attention_layernorm
+        return x.add_(self.mlp.forward(F.rms_norm(x, norm.shape, norm.weight, norm.eps).to(act)))
 
 
 @dataclass
@@ -303,7 +331,7 @@ class ForwardContext:
     cos: torch.Tensor  # (B, 1, T, head_dim): cos | cos
     sin: torch.Tensor  # (B, 1, T, head_dim): -sin | sin
     act_dtype: torch.dtype = torch.float32
-    attn_dtype: torch.dtype = torch.float32  # batched decode attention (the residual dtype)
+    attn_dtype: torch.dtype = torch.float32  # decode attention (the residual dtype)
     prefill_slot: int | None = None
     slots: torch.Tensor | None = None  # (B,) decode: cache slot of each sequence
     positions: torch.Tensor | None = None  # (B,) decode: position of the new token
@@ -395,7 +423,7 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(hidden.to(gemm_w.dtype), gemm_w).float()
         # The GEMM rounds every logit to w's dtype; recompute the top few in fp32 from the fp32 hidden
         # state so that greedy choices and the leading logprobs are not decided by that rounding.
-        top = logits.topk(LM_HEAD_EXACT_TOP, dim=-1).indices  # (..., k)
+        top = top_k_indices(logits, LM_HEAD_EXACT_TOP)  # (..., k)
         exact = (w[top].to(hidden.dtype) @ hidden.unsqueeze(-1)).squeeze(-1)  # (..., k)
         return logits.scatter_(-1, top, exact)
 
@@ -436,6 +464,7 @@ class LlamaForCausalLM(nn.Module):
                 cos=self.cos[p : p + 1][None, None],
                 sin=self.sin[p : p + 1][None, None],
                 act_dtype=self.dtype,
+                attn_dtype=self.residual_dtype,
                 read_slots=slice(slots[0], slots[0] + 1),
                 read_len=read_len,
                 single=(slots[0], p),

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kernels.base import LinearSpec
 from kernels.errors import KilnError
@@ -68,6 +68,15 @@ class LayerEntry(_Model):
     rejected: list[Rejection] = Field(default_factory=list)
     fallback: bool = False  # True when a preferred kernel was rejected for this layer's shape
     verification: LayerVerification | None = None
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_is_a_linear_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            LinearSpec.from_json(v)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"spec is not a kernels.base.LinearSpec ({e})") from e
+        return v
 
     def linear_spec(self) -> LinearSpec:
         return LinearSpec.from_json(self.spec)
@@ -119,22 +128,26 @@ class Manifest(_Model):
     def parse(cls, raw: bytes | str, where: str = MANIFEST_NAME) -> Manifest:
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, over-long numbers, deep nesting
             raise ManifestError(
-                f"{where}: not valid JSON ({e}); the artifact is corrupt — pull it again"
+                f"{where}: not valid JSON ({str(e)[:200]}); the artifact is corrupt — pull it again"
             ) from e
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or version not in SUPPORTED_SCHEMA_VERSIONS
+        ):
             raise ManifestError(
                 f"{where}: schema_version {version!r} is not supported by this Kiln "
                 f"(supports {sorted(SUPPORTED_SCHEMA_VERSIONS)}); upgrade kiln or re-convert the checkpoint"
             )
         try:
             return cls.model_validate(data)
-        except ValueError as e:
-            raise ManifestError(f"{where}: invalid manifest: {e}") from e
+        except (ValueError, RecursionError) as e:  # pydantic.ValidationError is a ValueError
+            raise ManifestError(f"{where}: invalid manifest: {str(e)[:2000]}") from e
 
     @classmethod
     def load(cls, artifact_dir: Path) -> Manifest:

@@ -200,7 +200,11 @@ class _S3Pull:
             ) from e
         manifest = Manifest.parse(raw, f"{self.uri}/{MANIFEST_NAME}")
         entries = needed_files(manifest, self.rank)
-        self.dest.mkdir(parents=True, exist_ok=True)
+        created = not self.dest.exists()
+        try:
+            self.dest.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._cache_write_error(e) from e
         self._total = sum(e.size for e in entries)
         todo = []
         for entry in entries:
@@ -210,13 +214,47 @@ class _S3Pull:
                 todo.append(entry)
         try:
             self._fetch_all(client, todo)
+            _tmp = self.dest / (MANIFEST_NAME + ".tmp")
+            _tmp.write_bytes(raw)
+            os.replace(_tmp, self.dest / MANIFEST_NAME)
         except (ClientError, BotoCoreError) as e:
             raise PullError(f"{self.uri}: download failed ({e}); run the pull again to resume") from e
-        _tmp = self.dest / (MANIFEST_NAME + ".tmp")
-        _tmp.write_bytes(raw)
-        os.replace(_tmp, self.dest / MANIFEST_NAME)
+        except OSError as e:
+            if isinstance(e, ConnectionError | TimeoutError):
+                raise
+            self._undo(todo, created)
+            raise self._cache_write_error(e) from e
         log.info("%s: pulled %d file(s) into %s", self.uri, len(todo), self.dest)
         return self.dest
+
+    def _cache_write_error(self, e: OSError) -> PullError:
+        return PullError(
+            f"{self.uri}: cannot write into the cache at {self.dest} ({e.strerror or e}); nothing was "
+            "published and this pull's partial files were removed. Free space on that filesystem (or "
+            "make it writable), or set KILN_CACHE_DIR to another one, then pull again"
+        )
+
+    def _undo(self, entries: list[FileEntry], created: bool) -> None:
+        """A local I/O fault (disk full, read-only, EIO): remove what this pull wrote, so that the
+        cache holds what it held before (the files it fetched were not published before it)."""
+        for entry in entries:
+            final = self.dest / entry.name
+            for path in (
+                final,
+                final.with_name(final.name + PART_SUFFIX),
+                final.with_name(final.name + PROGRESS_SUFFIX),
+                final.with_name(final.name + PROGRESS_SUFFIX + ".tmp"),
+            ):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:
+                    log.warning("%s: could not remove %s (%s)", self.uri, path, err)
+        try:
+            (self.dest / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)
+            if created:
+                self.dest.rmdir()  # only if empty: a concurrent rank's files stay
+        except OSError:
+            pass
 
     def _fetch_all(self, client: Any, entries: list[FileEntry]) -> None:
         if not entries:

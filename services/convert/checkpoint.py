@@ -27,6 +27,8 @@ from services.convert.safetensors_io import (
     tensor_from_bytes,
 )
 from services.storage.base import SourceReader
+from services.storage.errors import StorageError
+from services.storage.keys import check_name
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +196,30 @@ class Checkpoint:
 def _read_json(source: SourceReader, name: str) -> dict[str, Any]:
     try:
         data = json.loads(source.read_bytes(name))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{source.uri}/{name} is not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, over-long numbers, deep nesting
+        raise ConversionError(f"{source.uri}/{name} is not valid JSON ({str(e)[:200]}); fix the file") from e
     if not isinstance(data, dict):
         raise ConversionError(f"{source.uri}/{name}: expected a JSON object")
     return data
+
+
+def _index_files(source: SourceReader, weight_map: dict[str, Any]) -> list[str]:
+    """The weight files a sharded index names, each a plain relative path inside the checkpoint."""
+    out = []
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ConversionError(
+                f"{source.uri}/{INDEX_NAME}: weight_map[{tensor!r}] must be a file name, got {file!r}"
+            )
+        try:
+            check_name(file)
+        except StorageError as e:
+            raise ConversionError(
+                f"{source.uri}/{INDEX_NAME}: weight_map[{tensor!r}] names {file!r}, outside the checkpoint "
+                "directory; shard files must be relative paths inside it (fix the index)"
+            ) from e
+        out.append(file)
+    return out
 
 
 def open_checkpoint(source: SourceReader) -> Checkpoint:
@@ -219,7 +240,7 @@ def open_checkpoint(source: SourceReader) -> Checkpoint:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ConversionError(f"{source.uri}/{INDEX_NAME} has no weight_map")
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(_index_files(source, weight_map)))
     elif SINGLE_NAME in listing:
         files = [SINGLE_NAME]
     else:
@@ -231,6 +252,9 @@ def open_checkpoint(source: SourceReader) -> Checkpoint:
                     "supported — re-save with save_pretrained(safe_serialization=True)"
                 )
             raise ConversionError(f"{source.uri} has no safetensors weights")
+    for name in ["config.json", *side, *files, *(n for n in SIDE_FILES if n in listing)]:
+        if name in listing:
+            source.local_path(name)  # a local source refuses a symlink out of its directory here
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         if file not in listing:
@@ -241,7 +265,7 @@ def open_checkpoint(source: SourceReader) -> Checkpoint:
         def more(start: int, end: int, file: str = file) -> bytes:
             return source.read_range(file, start, end)
 
-        for name, info in parse_header(file, probe, more).items():
+        for name, info in parse_header(file, probe, more, size).items():
             if name in tensors:
                 raise ConversionError(f"tensor {name} appears in both {tensors[name].file} and {file}")
             if info.end > size:

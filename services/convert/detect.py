@@ -10,11 +10,13 @@ as vLLM gives externally registered methods precedence.
 from __future__ import annotations
 
 import logging
+import re
 from importlib.metadata import entry_points
 from typing import Any
 
 from kernels.errors import KilnError, UnsupportedError
 from services.convert.checkpoint import QUANT_SIDE_CONFIGS, Checkpoint
+from services.convert.errors import QuantConfigError
 from services.convert.formats.awq import AwqFormat
 from services.convert.formats.base import SUPPORTED_FORMATS_MESSAGE, CheckpointFormat
 from services.convert.formats.compressed_tensors import CompressedTensorsFormat
@@ -46,6 +48,11 @@ KNOWN_UNSUPPORTED = {
 def find_quant_config(ckpt: Checkpoint) -> tuple[dict[str, Any] | None, str]:
     cfg = ckpt.config
     for key in ("quantization_config", "compression_config"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise QuantConfigError(
+                f"{ckpt.uri}/config.json: {key} must be an object, "
+                f"got {type(cfg[key]).__name__}; fix the config"
+            )
         if isinstance(cfg.get(key), dict):
             return cfg[key], f"config.json:{key}"
     text = cfg.get("text_config")
@@ -72,7 +79,15 @@ def plugin_formats() -> list[type[CheckpointFormat]]:
 def detect_format(ckpt: Checkpoint) -> CheckpointFormat:
     quantization, where = find_quant_config(ckpt)
     for cls in [*plugin_formats(), *BUILTIN_FORMATS]:
-        fmt = cls.detect(ckpt, quantization, where.removeprefix("config.json:") if where else where)
+        try:
+            fmt = cls.detect(ckpt, quantization, where.removeprefix("config.json:") if where else where)
+        except KilnError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, re.error, RecursionError) as e:
+            raise QuantConfigError(
+                f"{ckpt.uri}: malformed {cls.name} quantization config in {where} "
+                f"({type(e).__name__}: {str(e)[:200]}); fix the config"
+            ) from e
         if fmt is not None:
             if where in QUANT_SIDE_CONFIGS:
                 fmt.notes.append(f"quantization config read from {where} (config.json has none)")

@@ -36,8 +36,8 @@ class ModelDims:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelDims:
         archs = config.get("architectures") or []
-        arch = archs[0] if archs else config.get("model_type", "?")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        arch = archs[0] if isinstance(archs, list) and archs else config.get("model_type", "?")
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise UnsupportedError(f"architecture {arch!r} is not supported; supported: {supported}")
         try:
@@ -57,6 +57,12 @@ class ModelDims:
             )
         except KeyError as e:
             raise ConversionError(f"config.json is missing {e.args[0]!r}") from e
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+            raise ConversionError(
+                f"config.json has a malformed model dimension ({e}); hidden_size, intermediate_size, "
+                "num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim and vocab_size "
+                "must be positive integers"
+            ) from e
         return dims
 
 

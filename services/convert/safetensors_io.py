@@ -22,7 +22,8 @@ from typing import BinaryIO
 
 import torch
 
-from services.convert.errors import ConversionError
+from runtime.artifact.safetensors_header import header_length, validate_header
+from services.convert.errors import ConversionError, SourceSafetensorsError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
-MAX_HEADER_BYTES = 100 << 20
 COPY_CHUNK = 8 << 20
 DEFAULT_HEADER_RESERVE = 64 << 10
 MAX_PENDING_BYTES = 256 << 20  # queued for the writer thread, per file
@@ -63,31 +63,26 @@ class TensorInfo:
 
 
 def parse_header(
-    file: str, first_bytes: bytes, read_more: Callable[[int, int], bytes]
+    file: str,
+    first_bytes: bytes,
+    read_more: Callable[[int, int], bytes],
+    file_size: int | None = None,
 ) -> dict[str, TensorInfo]:
-    """Tensor index of one safetensors file. `read_more(start, end)` fetches more bytes if needed."""
-    if len(first_bytes) < 8:
-        raise ConversionError(f"{file}: too short to be a safetensors file")
-    (hlen,) = struct.unpack("<Q", first_bytes[:8])
-    if hlen > MAX_HEADER_BYTES:
-        raise ConversionError(f"{file}: safetensors header of {hlen} bytes is implausible (corrupt file?)")
-    raw = first_bytes[8 : 8 + hlen]
-    if len(raw) < hlen:
-        raw = raw + read_more(8 + len(raw), 8 + hlen)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{file}: unreadable safetensors header ({e})") from e
-    base = 8 + hlen
-    out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta["dtype"] not in DTYPES:
-            raise ConversionError(f"{file}: tensor {name} has unsupported dtype {meta['dtype']}")
-        s, e = meta["data_offsets"]
-        out[name] = TensorInfo(name, file, meta["dtype"], tuple(meta["shape"]), base + s, base + e)
-    return out
+    """Tensor index of one safetensors file, strictly validated (SourceSafetensorsError on any defect).
+
+    `read_more(start, end)` fetches more bytes if the header is longer than `first_bytes`;
+    `file_size` (when known) lets the offsets be checked against the end of the file.
+    """
+    hlen = header_length(file, first_bytes[:8], file_size, error=SourceSafetensorsError)
+    raw = first_bytes[: 8 + hlen]
+    if len(raw) < 8 + hlen:
+        raw = raw + read_more(len(raw), 8 + hlen)
+    parsed = validate_header(file, raw, file_size, error=SourceSafetensorsError)
+    base = parsed.data_start
+    return {
+        e.name: TensorInfo(e.name, file, e.dtype, e.shape, base + e.begin, base + e.end)
+        for e in parsed.tensors.values()
+    }
 
 
 def tensor_from_bytes(info: TensorInfo, data: bytes) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from services.storage.errors import StorageError
 
@@ -35,3 +36,29 @@ def join_prefix(prefix: str, *parts: str) -> str:
     """S3 key from a (possibly empty) prefix and validated parts."""
     cleaned = [p for p in (prefix.strip("/"), *parts) if p]
     return "/".join(cleaned)
+
+
+def allowed_roots(root: Path) -> list[Path]:
+    """Where files of the checkpoint directory `root` may live once symlinks are resolved: the
+    directory itself and, for a Hugging Face hub cache snapshot (`models--x/snapshots/<rev>`, whose
+    files are symlinks to `../../blobs/<sha>`), that repository's `blobs` directory."""
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def resolve_inside(root: Path, name: str) -> Path:
+    """`root / name` with symlinks resolved, refused (StorageError) when it lies outside `root`.
+
+    `root` must already be resolved. A missing file resolves to its own (inside) path."""
+    try:
+        path = (root / check_name(name)).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise StorageError(f"{root / name} cannot be resolved ({e}); remove the broken symlink") from e
+    if not any(path.is_relative_to(r) for r in allowed_roots(root)):
+        raise StorageError(
+            f"{root / name} resolves to {path}, outside the checkpoint directory {root}: "
+            "symlinks may not point out of it; copy the file into the directory instead"
+        )
+    return path

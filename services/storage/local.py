@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.storage.base import HASH_CHUNK, MANIFEST_NAME, ArtifactStore, ArtifactWriter, SourceReader
 from services.storage.errors import ArtifactExistsError, NotFoundError, StorageError
-from services.storage.keys import check_artifact_id, check_name
+from services.storage.keys import check_artifact_id, check_name, resolve_inside
 
 STAGING_DIR = ".staging"
 
@@ -165,7 +165,7 @@ class LocalSource(SourceReader):
         self.uri = str(self.root)
 
     def _path(self, name: str) -> Path:
-        return self.root / check_name(name)
+        return resolve_inside(self.root, name)
 
     def list(self) -> list[str]:
         return sorted(

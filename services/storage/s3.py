@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +256,23 @@ class S3Store(ArtifactStore):
         keys = self.list_keys(join_prefix(self.prefix, STAGING_PREFIX, f"{aid}-"))
         self.delete_keys(keys)
         return len(keys)
+
+    def sweep_staging(self, older_than_s: float) -> int:
+        """Remove staging directories whose newest object is older than `older_than_s` (left by a
+        writer that died or lost the store mid-upload; no live writer stages for longer than a job's
+        hard time limit). Returns how many objects were removed."""
+        base = join_prefix(self.prefix, STAGING_PREFIX) + "/"
+        newest: dict[str, float] = {}
+        keys: dict[str, list[str]] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                stage = obj["Key"][len(base) :].partition("/")[0]
+                keys.setdefault(stage, []).append(obj["Key"])
+                newest[stage] = max(newest.get(stage, 0.0), obj["LastModified"].timestamp())
+        cutoff = time.time() - older_than_s
+        stale = [k for stage, ks in keys.items() if newest[stage] < cutoff for k in ks]
+        self.delete_keys(stale)
+        return len(stale)
 
     def staging_keys(self) -> list[str]:
         """Leftover staged objects (for tests and cleanup tools)."""

@@ -82,9 +82,26 @@ def reconcile_once(settings: Settings) -> list[str]:
     return requeued
 
 
+def sweep_stale_staging(settings: Settings) -> int:
+    """Remove objects staged longer ago than the hard time limit (a writer that lost the store
+    mid-upload could not remove them; once the store is back, this does). Returns the count."""
+    from services.storage import open_store
+
+    store = open_store(settings.resolved_store_url, settings)
+    sweep = getattr(store, "sweep_staging", None)
+    if sweep is None:
+        return 0
+    removed = int(sweep(float(settings.job_hard_time_limit_s)))
+    if removed:
+        limit = settings.job_hard_time_limit_s
+        log.warning("reconciler: removed %d staged object(s) older than %d s", removed, limit)
+    return removed
+
+
 def reconcile_forever(settings: Settings, stop: threading.Event) -> None:
     while not stop.wait(settings.reconcile_interval_s):
-        try:
-            reconcile_once(settings)
-        except Exception as e:
-            log.warning("reconciler pass failed: %s", e)
+        for step in (reconcile_once, sweep_stale_staging):
+            try:
+                step(settings)
+            except Exception as e:
+                log.warning("reconciler pass failed (%s): %s", step.__name__, e)

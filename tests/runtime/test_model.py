@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 from runtime.engine import Engine
 from runtime.kv_cache import KVCache
 from runtime.loader import LoadedModel, load_model
-from runtime.model import ModelConfig, rope_inv_freq
+from runtime.model import ModelConfig, rope_inv_freq, top_k_indices
 from runtime.sampling import SamplingParams
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 
@@ -170,3 +170,46 @@ def test_fp8_kv_cache_close_to_auto(llama_artifact: tuple[PreTrainedModel, Path]
         for kv in ("auto", "fp8")
     }
     assert sizes["fp8"] * 4 == sizes["auto"]  # a quarter of fp32 (half of bf16)
+
+
+@pytest.mark.parametrize("shape", [(49152,), (1, 49152), (8, 32000), (3, 1000), (2, 100)])
+def test_blocked_top_k_selects_the_same_values_as_topk(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    for trial in range(8):
+        x = torch.randn(shape, generator=gen) * 10
+        if trial % 2:
+            x = x.half().float()  # many ties, as after a half-precision lm_head
+        got = top_k_indices(x, 8)
+        want = x.topk(8, dim=-1).indices
+        assert got.shape == want.shape
+        assert torch.equal(x.gather(-1, got).sort(-1).values, x.gather(-1, want).sort(-1).values)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_kv_cache_read_as_matches_read(kv: str) -> None:
+    cache = KVCache(
+        num_layers=2,
+        num_slots=4,
+        max_len=16,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        kv_cache_dtype=kv,  # type: ignore[arg-type]
+    )
+    gen = torch.Generator().manual_seed(0)
+    for slot in range(4):
+        for pos in range(10):
+            k, v = torch.randn(2, 2, 8, generator=gen)  # fp32, as decode hands them
+            cache.write_decode_one(1, slot, pos, k, v)
+            k_got, v_got = cache.read(1, slice(slot, slot + 1), pos + 1)
+            assert torch.equal(
+                k_got[0, :, pos], cache._load(cache._store(k, cache.k_scale[1]), cache.k_scale[1])
+            )
+            assert torch.equal(
+                v_got[0, :, pos], cache._load(cache._store(v, cache.v_scale[1]), cache.v_scale[1])
+            )
+    for slots in (slice(1, 3), torch.tensor([3, 0])):
+        k_ref, v_ref = cache.read(1, slots, 7)
+        k_got, v_got = cache.read_as(1, slots, 7, torch.float32)
+        assert k_got.dtype == v_got.dtype == torch.float32
+        assert torch.equal(k_got, k_ref.float()) and torch.equal(v_got, v_ref.float())

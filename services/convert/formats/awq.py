@@ -14,8 +14,15 @@ from kernels.base import SourceWeight
 from kernels.codecs.awq import decode_awq
 from kernels.errors import UnsupportedError
 from services.convert.checkpoint import Checkpoint
-from services.convert.errors import ConversionError
-from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.errors import ConversionError, QuantConfigError
+from services.convert.formats.base import (
+    DENSE,
+    SUPPORTED_FORMATS_MESSAGE,
+    CheckpointFormat,
+    LayerQuant,
+    cfg_int,
+    cfg_list,
+)
 from services.convert.model_layout import LinearLayout
 
 
@@ -25,11 +32,14 @@ class AwqFormat(CheckpointFormat):
     def __init__(self, ckpt: Checkpoint, quantization: dict[str, Any]) -> None:
         super().__init__(ckpt, quantization)
         q = quantization
-        bits = q.get("bits", q.get("w_bit"))
-        group = q.get("group_size", q.get("q_group_size"))
-        if bits is None or group is None:
-            raise ConversionError("AWQ quantization config needs bits|w_bit and group_size|q_group_size")
-        self.bits, self.group_size = int(bits), int(group)
+        fields = {
+            "bits|w_bit": q.get("bits", q.get("w_bit")),
+            "group_size|q_group_size": q.get("group_size", q.get("q_group_size")),
+        }
+        self.bits = cfg_int(fields, "bits|w_bit", "AWQ")
+        self.group_size = cfg_int(fields, "group_size|q_group_size", "AWQ")
+        if self.group_size == 0 or self.group_size < -1:
+            raise QuantConfigError(f"AWQ group_size must be -1 or positive, got {self.group_size}")
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedError(
@@ -42,7 +52,7 @@ class AwqFormat(CheckpointFormat):
             )
         if not q.get("zero_point", True):
             raise UnsupportedError(f"AWQ with zero_point=false is not supported. {SUPPORTED_FORMATS_MESSAGE}")
-        self.not_convert = [str(m) for m in (q.get("modules_to_not_convert") or [])]
+        self.not_convert = [str(m) for m in cfg_list(q, "modules_to_not_convert", "AWQ")]
 
     @classmethod
     def detect(cls, ckpt: Checkpoint, quantization: dict[str, Any] | None, where: str) -> AwqFormat | None:

@@ -7,14 +7,16 @@ Built-ins: gptq, awq, fp8 (Fp8Config), compressed-tensors, dense. Third-party fo
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from kernels.base import DenseWeight, SourceWeight
-from services.convert.errors import ConversionError
+from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
+from kernels.errors import KilnError, LayoutError
+from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 
 if TYPE_CHECKING:
     from services.convert.checkpoint import Checkpoint
@@ -57,6 +59,126 @@ class LayerQuant:
 
 
 DENSE = LayerQuant("dense")
+
+
+def _bad(module: str, what: str) -> TensorLayoutError:
+    return TensorLayoutError(
+        f"layer {module}: {what}; its tensors disagree with each other or with the quantization config: "
+        "fix the config or re-export the checkpoint"
+    )
+
+
+def _check_shapes(module: str, w: SourceWeight) -> None:
+    """The canonical weight's tensors agree with each other (see kernels.base for the shapes)."""
+    main = w.codes if isinstance(w, IntWeight) else w.weight
+    if main.dim() != 2:
+        raise _bad(module, f"weight must be 2-D (N, K), got {tuple(main.shape)}")
+    n, k = main.shape
+    if isinstance(w, IntWeight):
+        gs = w.group_size
+        if gs > 0 and k % gs:
+            raise _bad(module, f"group_size {gs} does not divide K={k}")
+        groups = 1 if gs in (-1, 0) else k // gs
+        if tuple(w.scales.shape) != (groups, n):
+            raise _bad(module, f"scales are {tuple(w.scales.shape)}, expected (G={groups}, N={n})")
+        if w.zeros is not None and tuple(w.zeros.shape) != (groups, n):
+            raise _bad(module, f"zero points are {tuple(w.zeros.shape)}, expected (G={groups}, N={n})")
+        if w.g_idx is not None:
+            if tuple(w.g_idx.shape) != (k,):
+                raise _bad(module, f"g_idx is {tuple(w.g_idx.shape)}, expected (K={k},)")
+            if k and (int(w.g_idx.min()) < 0 or int(w.g_idx.max()) >= groups):
+                raise _bad(
+                    module,
+                    f"g_idx values span [{int(w.g_idx.min())}, {int(w.g_idx.max())}], outside [0, {groups})",
+                )
+    elif isinstance(w, Fp8Weight):
+        if w.strategy == "tensor":
+            expected: tuple[int, ...] = (len(w.shard_sizes or (n,)),)
+        elif w.strategy == "channel":
+            expected = (n,)
+        else:
+            bn, bk = w.block_size or (0, 0)
+            if bn <= 0 or bk <= 0:
+                raise _bad(module, f"block FP8 needs a positive block size, got {w.block_size}")
+            expected = (-(-n // bn), -(-k // bk))
+        got = tuple(w.scale.shape) if w.strategy == "block" else (w.scale.numel(),)
+        if got != expected:
+            raise _bad(
+                module,
+                f"FP8 {w.strategy} scale is {tuple(w.scale.shape)} for a ({n}, {k}) weight, "
+                f"expected {expected}" + (f" for block size {w.block_size}" if w.block_size else ""),
+            )
+
+
+def _check_scales(module: str, w: SourceWeight) -> None:
+    """Scales must be finite (FP8 scales also non-zero): a NaN / inf / 0 scale makes the layer garbage."""
+    if isinstance(w, Fp8Weight):
+        scale, name, zero_ok = w.scale, "weight scale", False
+    elif isinstance(w, IntWeight):
+        scale, name, zero_ok = w.scales, "scales", True
+    else:
+        return
+    s = scale.float()
+    bad = ~torch.isfinite(s) if zero_ok else ~torch.isfinite(s) | (s == 0)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        what = "non-finite" if zero_ok else "non-finite or zero"
+        raise TensorLayoutError(
+            f"layer {module}: {int(bad.sum())} {what} {name} (first at index {first}: {s[first].item()}); "
+            "the checkpoint is corrupt — re-quantize or re-export it"
+        )
+
+
+def _as_int(v: object) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and re.fullmatch(r"-?\d{1,12}", v.strip()):
+        return int(v)
+    return None
+
+
+def cfg_int(q: dict[str, Any], key: str, fmt: str, default: int | None = None) -> int:
+    """An integer field of a quantization config (QuantConfigError when missing or not an integer)."""
+    v = q.get(key, default)
+    if v is None:
+        raise QuantConfigError(f"{fmt} quantization config lacks {key!r}; add it (an integer)")
+    out = _as_int(v)
+    if out is None:
+        raise QuantConfigError(f"{fmt} quantization config field {key!r} must be an integer, got {v!r}")
+    return out
+
+
+def cfg_list(q: dict[str, Any], key: str, fmt: str) -> list[Any]:
+    """A list field (absent / null -> [])."""
+    v = q.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise QuantConfigError(f"{fmt} quantization config field {key!r} must be a list, got {v!r}")
+    return v
+
+
+def cfg_dict(q: dict[str, Any], key: str, fmt: str) -> dict[str, Any]:
+    """An object field (absent / null -> {})."""
+    v = q.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise QuantConfigError(f"{fmt} quantization config field {key!r} must be an object, got {v!r}")
+    return v
+
+
+def cfg_regex(pattern: str, field: str, fmt: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise QuantConfigError(
+            f"{fmt} quantization config {field}: {pattern!r} is not a valid regular expression ({e})"
+        ) from e
 
 
 class CheckpointFormat(ABC):
@@ -105,12 +227,28 @@ class CheckpointFormat(ABC):
         return self.weight_suffixes(lq)
 
     def decode(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
-        """Canonical weight of one module (bias attached), from the tensors `source_tensors` named."""
-        w = (
-            DenseWeight(tensors[f"{module}.weight"])
-            if lq.scheme == "dense"
-            else self.decode_quantized(module, lq, tensors)
-        )
+        """Canonical weight of one module (bias attached), from the tensors `source_tensors` named.
+
+        Tensors that disagree with each other or with the config raise TensorLayoutError naming the
+        module, whatever the codec raised (LayoutError, or torch's RuntimeError on a shape mismatch).
+        """
+        try:
+            w = (
+                DenseWeight(tensors[f"{module}.weight"])
+                if lq.scheme == "dense"
+                else self.decode_quantized(module, lq, tensors)
+            )
+        except (TensorLayoutError, QuantConfigError):
+            raise
+        except (LayoutError, RuntimeError, ValueError, IndexError, TypeError, KeyError) as e:
+            raise TensorLayoutError(
+                f"{self.name} layer {module}: {e}; its tensors disagree with each other or with the "
+                f"quantization config ({lq.describe()}): fix the config or re-export the checkpoint"
+            ) from e
+        except KilnError:
+            raise
+        _check_shapes(module, w)
+        _check_scales(module, w)
         w.bias = tensors.get(f"{module}.bias")
         return w
 

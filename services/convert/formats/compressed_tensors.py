@@ -20,8 +20,17 @@ from kernels.base import Fp8Weight, SourceWeight
 from kernels.codecs.compressed_tensors import decode_int_quantized, decode_pack_quantized
 from kernels.errors import UnsupportedError
 from services.convert.checkpoint import Checkpoint
-from services.convert.errors import ConversionError
-from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.errors import ConversionError, QuantConfigError
+from services.convert.formats.base import (
+    DENSE,
+    SUPPORTED_FORMATS_MESSAGE,
+    CheckpointFormat,
+    LayerQuant,
+    cfg_dict,
+    cfg_int,
+    cfg_list,
+    cfg_regex,
+)
 from services.convert.formats.gptq import with_explicit_g_idx
 from services.convert.model_layout import LinearLayout
 
@@ -29,6 +38,14 @@ PACKED = "pack-quantized"
 FLOAT = "float-quantized"
 INT = "int-quantized"
 NAIVE = "naive-quantized"
+# Fields of compressed-tensors' QuantizationArgs / QuantizationScheme (both pydantic extra="forbid").
+ARGS_FIELDS = frozenset(
+    {
+        "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+        "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs",
+    }
+)  # fmt: skip
+SCHEME_FIELDS = frozenset({"targets", "weights", "input_activations", "output_activations", "format"})
 
 
 @dataclass(frozen=True)
@@ -46,13 +63,22 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern
 
 
-def _strategy(args: dict[str, Any]) -> str:
+def _strategy(args: dict[str, Any], where: str) -> str:
     if args.get("strategy"):
         return str(args["strategy"])
-    gs = args.get("group_size")
-    if gs is None:
+    if args.get("group_size") is None:
         return "tensor"
-    return "channel" if int(gs) == -1 else "group"
+    return "channel" if cfg_int(args, "group_size", where) == -1 else "group"
+
+
+def _forbid_extra(obj: dict[str, Any], allowed: frozenset[str], where: str, model: str) -> None:
+    """compressed-tensors' pydantic models are extra="forbid": an unknown key is a malformed config."""
+    extra = sorted(str(k) for k in obj if k not in allowed)
+    if extra:
+        raise QuantConfigError(
+            f"{where}: unknown key(s) {', '.join(map(repr, extra))} (compressed-tensors {model} "
+            f"forbids extra fields; allowed: {', '.join(sorted(allowed))}); fix the config"
+        )
 
 
 class CompressedTensorsFormat(CheckpointFormat):
@@ -62,7 +88,7 @@ class CompressedTensorsFormat(CheckpointFormat):
         super().__init__(ckpt, quantization)
         q = quantization
         global_format = str(q.get("format") or "dense")
-        sparsity = q.get("sparsity_config")
+        sparsity = cfg_dict(q, "sparsity_config", "compressed-tensors")
         if sparsity and str(sparsity.get("format", "dense")) != "dense":
             raise UnsupportedError(
                 f"compressed-tensors sparsity format {sparsity.get('format')!r} is not supported. "
@@ -72,21 +98,25 @@ class CompressedTensorsFormat(CheckpointFormat):
             raise UnsupportedError(
                 f"compressed-tensors transforms are not supported. {SUPPORTED_FORMATS_MESSAGE}"
             )
-        self.ignore = [str(x) for x in (q.get("ignore") or [])]
+        self.ignore = [str(x) for x in cfg_list(q, "ignore", "compressed-tensors")]
         self.groups: list[_Group] = []
-        for gname, g in (q.get("config_groups") or {}).items():
-            targets = tuple(str(t) for t in (g.get("targets") or []))
+        for gname, g in cfg_dict(q, "config_groups", "compressed-tensors").items():
+            where = f"compressed-tensors config_groups.{gname}"
+            if not isinstance(g, dict):
+                raise QuantConfigError(f"{where} must be an object (a QuantizationScheme), got {g!r}")
+            _forbid_extra(g, SCHEME_FIELDS, where, "QuantizationScheme")
+            targets = tuple(str(t) for t in cfg_list(g, "targets", where))
             if targets and all(t.endswith("Attention") for t in targets):
                 continue  # attention (KV cache) groups: vLLM drops them too
-            self.groups.append(
-                _Group(
-                    gname,
-                    targets,
-                    g.get("weights") or {},
-                    g.get("input_activations"),
-                    str(g.get("format") or global_format),
-                )
-            )
+            weights = cfg_dict(g, "weights", where)
+            _forbid_extra(weights, ARGS_FIELDS, f"{where}.weights", "QuantizationArgs")
+            acts = cfg_dict(g, "input_activations", where) or None
+            if acts:
+                _forbid_extra(acts, ARGS_FIELDS, f"{where}.input_activations", "QuantizationArgs")
+            self.groups.append(_Group(gname, targets, weights, acts, str(g.get("format") or global_format)))
+        for pattern in [*self.ignore, *(t for g in self.groups for t in g.targets)]:
+            if pattern.startswith("re:"):
+                cfg_regex(pattern[3:], f"ignore/targets entry {pattern!r}", "compressed-tensors")
         if not self.groups:
             raise ConversionError("compressed-tensors config has no config_groups with weight targets")
         self._schemes = {g.name: self._scheme(g) for g in self.groups}
@@ -102,11 +132,16 @@ class CompressedTensorsFormat(CheckpointFormat):
 
     def _scheme(self, g: _Group) -> LayerQuant:
         w = g.weights
-        bits = int(w.get("num_bits", 8))
+        where = f"compressed-tensors config_groups.{g.name}.weights"
+        bits = cfg_int(w, "num_bits", where, 8)
         typ = str(w.get("type", "int"))
-        strategy = _strategy(w)
+        strategy = _strategy(w, where)
         sym = bool(w.get("symmetric", True))
-        gs = int(w["group_size"]) if w.get("group_size") is not None and strategy == "group" else -1
+        gs = (
+            cfg_int(w, "group_size", where) if w.get("group_size") is not None and strategy == "group" else -1
+        )
+        if strategy == "group" and gs <= 0:
+            raise QuantConfigError(f"{where}: strategy 'group' needs a positive group_size, got {gs}")
         actorder = w.get("actorder")
         act_order = actorder in ("group", "dynamic", True)
         unsupported = UnsupportedError(
@@ -126,7 +161,12 @@ class CompressedTensorsFormat(CheckpointFormat):
         if g.format in (FLOAT, NAIVE) and typ == "float":
             if bits != 8 or strategy not in ("tensor", "channel", "block") or not sym:
                 raise unsupported
-            block = tuple(int(x) for x in w.get("block_structure") or ()) or None
+            raw_block = cfg_list(w, "block_structure", where)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw_block):
+                raise QuantConfigError(
+                    f"{where}: block_structure must be positive integers, got {raw_block!r}"
+                )
+            block = tuple(raw_block) or None
             if strategy == "block" and (block is None or len(block) != 2):
                 raise unsupported
             return LayerQuant(

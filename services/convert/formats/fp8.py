@@ -16,9 +16,19 @@ import torch
 from kernels.base import Fp8Weight, SourceWeight
 from kernels.errors import UnsupportedError
 from services.convert.checkpoint import Checkpoint
-from services.convert.errors import ConversionError
-from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.errors import ConversionError, QuantConfigError
+from services.convert.formats.base import (
+    DENSE,
+    SUPPORTED_FORMATS_MESSAGE,
+    CheckpointFormat,
+    LayerQuant,
+    cfg_list,
+)
 from services.convert.model_layout import LinearLayout
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 class Fp8Format(CheckpointFormat):
@@ -29,10 +39,16 @@ class Fp8Format(CheckpointFormat):
         q = quantization
         self.activation_scheme = str(q.get("activation_scheme", "dynamic"))
         block = q.get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) <= 0):
-            raise ConversionError(f"Fp8Config weight_block_size must be [bn, bk], got {block}")
+        ok = isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)
+        if block is not None and not ok:
+            raise QuantConfigError(
+                f"Fp8Config weight_block_size must be [bn, bk] positive integers, got {block!r}"
+            )
         self.block_size: tuple[int, int] | None = (int(block[0]), int(block[1])) if block else None
-        self.ignored = set(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
+        ignored = cfg_list(q, "ignored_layers", "Fp8Config") or cfg_list(
+            q, "modules_to_not_convert", "Fp8Config"
+        )
+        self.ignored = {str(m) for m in ignored}
         if self.activation_scheme == "static":
             self.notes.append(
                 "activation_scheme static: input_scale tensors are not used; "

@@ -16,10 +16,18 @@ import torch
 
 from kernels.base import IntWeight, SourceWeight
 from kernels.codecs.gptq import decode_gptq, qzeros_look_v2_symmetric
-from kernels.errors import UnsupportedError
+from kernels.errors import LayoutError, UnsupportedError
 from services.convert.checkpoint import Checkpoint
-from services.convert.errors import ConversionError
-from services.convert.formats.base import DENSE, SUPPORTED_FORMATS_MESSAGE, CheckpointFormat, LayerQuant
+from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
+from services.convert.formats.base import (
+    DENSE,
+    SUPPORTED_FORMATS_MESSAGE,
+    CheckpointFormat,
+    LayerQuant,
+    cfg_int,
+    cfg_list,
+    cfg_regex,
+)
 from services.convert.model_layout import LinearLayout
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -39,11 +47,12 @@ class GptqFormat(CheckpointFormat):
     def __init__(self, ckpt: Checkpoint, quantization: dict[str, Any]) -> None:
         super().__init__(ckpt, quantization)
         q = quantization
-        try:
-            self.bits = int(q["bits"])
-            self.group_size = int(q["group_size"])
-        except KeyError as e:
-            raise ConversionError(f"GPTQ quantization config lacks {e.args[0]!r}") from e
+        self.bits = cfg_int(q, "bits", "GPTQ")
+        self.group_size = cfg_int(q, "group_size", "GPTQ")
+        if self.group_size == 0 or self.group_size < -1:
+            raise QuantConfigError(
+                f"GPTQ group_size must be -1 (channelwise) or positive, got {self.group_size}"
+            )
         self.desc_act = bool(q.get("desc_act", False))
         self.sym = bool(q.get("sym", True))
         fmt = str(q.get("checkpoint_format") or q.get("format") or "gptq").lower()
@@ -56,9 +65,15 @@ class GptqFormat(CheckpointFormat):
         self.lm_head = bool(q.get("lm_head", False))
         dynamic = q.get("dynamic") or {}
         if not isinstance(dynamic, dict):
-            raise ConversionError("GPTQ 'dynamic' must be an object of regex -> overrides")
+            raise QuantConfigError("GPTQ 'dynamic' must be an object of regex -> overrides")
+        for pattern, overrides in dynamic.items():
+            cfg_regex(pattern.removeprefix("-:").removeprefix("+:"), f"dynamic rule {pattern!r}", "GPTQ")
+            if overrides is not None and not isinstance(overrides, dict):
+                raise QuantConfigError(
+                    f"GPTQ dynamic rule {pattern!r} must map to an object of overrides, got {overrides!r}"
+                )
         self.dynamic: dict[str, dict[str, Any]] = dynamic
-        self.in_block = _flatten(q.get("modules_in_block_to_quantize")) or None
+        self.in_block = _flatten(cfg_list(q, "modules_in_block_to_quantize", "GPTQ")) or None
         self._check_bits(self.bits, "quantization config")
         if not self.v2:
             self._detect_mislabeled_v2()
@@ -89,7 +104,14 @@ class GptqFormat(CheckpointFormat):
         module = modules[0]
         qzeros = self.ckpt.read_one(f"{module}.qzeros")
         n = self.ckpt.info(f"{module}.scales").shape[1] if self.ckpt.has(f"{module}.scales") else None
-        if qzeros_look_v2_symmetric(qzeros, self.bits, n=n):
+        try:
+            looks_v2 = qzeros_look_v2_symmetric(qzeros, self.bits, n=n)
+        except (LayoutError, RuntimeError, ValueError) as e:  # torch's reshape errors on odd widths
+            raise TensorLayoutError(
+                f"gptq layer {module}: {module}.qzeros {tuple(qzeros.shape)} do not fit the config's "
+                f"bits={self.bits} ({e}); fix bits in the quantization config or re-export the checkpoint"
+            ) from e
+        if looks_v2:
             self.v2 = True
             self.notes.append(
                 f"checkpoint_format says 'gptq' (v1) but {module}.qzeros hold "
@@ -121,8 +143,9 @@ class GptqFormat(CheckpointFormat):
         if rule is False:
             quantized = False
         elif isinstance(rule, dict):
-            bits = int(rule.get("bits", bits))
-            group_size = int(rule.get("group_size", group_size))
+            where = f"GPTQ dynamic override for {layout.name}"
+            bits = cfg_int(rule, "bits", where, bits)
+            group_size = cfg_int(rule, "group_size", where, group_size)
             desc_act = bool(rule.get("desc_act", desc_act))
             sym = bool(rule.get("sym", sym))
             self._check_bits(bits, f"dynamic override for {layout.name}")

@@ -1,0 +1,308 @@
+"""Fuzz targets shared by tests/reliability/test_fuzz.py (hypothesis, bounded) and bench/fuzz.py (>= 10k).
+
+Each target is (generate(rnd) -> input, run(input)); `run` either succeeds or raises the target's
+documented error class (`ALLOWED`); anything else is a crash. Inputs are random bytes / JSON or
+mutations of valid files, configs from tests/helpers/synthetic.py and a real manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import struct
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import KilnError
+from runtime.artifact.manifest import Manifest, ManifestError
+from runtime.artifact.safetensors_header import DTYPE_SIZES, SafetensorsFormatError, validate_header
+from runtime.loader import map_safetensors
+from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.detect import detect_format
+from services.convert.plan import build_plan
+from services.convert.safetensors_io import parse_header, tensor_from_bytes
+from services.storage.local import LocalSource
+from tests.helpers.synthetic import Dims, write_checkpoint
+from tests.reliability.st_files import VALID_TENSORS, build, valid_file
+
+TINY_DIMS = Dims(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=64)
+CONFIG_BASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gptq": ("gptq", {"group_size": 32, "act_order": True}),
+    "gptq-v2-asym": ("gptq", {"group_size": 32, "v2": True, "sym": False}),
+    "awq": ("awq", {"group_size": 32}),
+    "fp8": ("fp8", {}),
+    "fp8-block": ("fp8", {"fp8_strategy": "block", "block": (32, 32)}),
+    "ct-pack": ("ct-pack", {"group_size": 32}),
+    "ct-fp8": ("ct-fp8", {"fp8_strategy": "channel"}),
+    "ct-int8": ("ct-int8", {}),
+    "dense": ("dense", {}),
+}
+# Keys the formats read: mutations add them with random values so the detectors' branches are hit.
+CONFIG_KEYS = (
+    "quant_method", "bits", "w_bit", "group_size", "q_group_size", "desc_act", "sym", "checkpoint_format",
+    "format", "is_marlin_format", "lm_head", "dynamic", "modules_in_block_to_quantize", "zero_point",
+    "version", "modules_to_not_convert", "activation_scheme", "weight_block_size", "ignored_layers",
+    "config_groups", "ignore", "sparsity_config", "transform_config", "targets", "weights",
+    "input_activations", "num_bits", "type", "strategy", "symmetric", "actorder", "block_structure",
+    "quantization_config", "compression_config", "text_config",
+)  # fmt: skip
+METHODS = (
+    "gptq",
+    "awq",
+    "fp8",
+    "compressed-tensors",
+    "compressed_tensors",
+    "bitsandbytes",
+    "marlin",
+    "fbgemm_fp8",
+)
+STRINGS = ("", "gptq", "gptq_v2", "gemm", "gemv", "group", "channel", "tensor", "block", "int", "float",
+           "pack-quantized", "float-quantized", "int-quantized", "naive-quantized", "dense", "re:.*",
+           "re:(", "+:.*", "-:.*q_proj", "Linear", "lm_head", "model.layers.0.self_attn.q_proj", "dynamic",
+           "static", "\0", "é", "../x")  # fmt: skip
+
+
+def random_json(rnd: random.Random, depth: int = 0) -> Any:
+    kind = rnd.randrange(9 if depth < 3 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rnd.random() < 0.5
+    if kind == 2:
+        return rnd.choice(
+            (0, 1, -1, 2, 3, 4, 8, 16, 32, 64, 128, -5, 2**31, 2**70, rnd.randrange(-1000, 1000))
+        )
+    if kind == 3:
+        return rnd.choice((0.0, 0.5, -1.0, 128.0, float("inf"), float("nan"), 1e308))
+    if kind in (4, 5):
+        return (
+            rnd.choice(STRINGS)
+            if rnd.random() < 0.8
+            else "".join(chr(rnd.randrange(32, 0x2FF)) for _ in range(5))
+        )
+    if kind in (6, 7):
+        return [random_json(rnd, depth + 1) for _ in range(rnd.randrange(4))]
+    return {rnd.choice(CONFIG_KEYS + STRINGS): random_json(rnd, depth + 1) for _ in range(rnd.randrange(4))}
+
+
+def _containers(obj: Any, out: list[Any]) -> list[Any]:
+    if isinstance(obj, dict | list):
+        out.append(obj)
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            _containers(v, out)
+    return out
+
+
+def mutate_json(obj: Any, rnd: random.Random, keys: tuple[str, ...] = CONFIG_KEYS, rounds: int = 3) -> Any:
+    """Random structural edits: replace / delete / add a value, swap types, duplicate containers."""
+    obj = copy.deepcopy(obj)
+    for _ in range(rnd.randrange(1, rounds + 1)):
+        spots = _containers(obj, [])
+        if not spots:
+            return random_json(rnd)
+        c = rnd.choice(spots)
+        op = rnd.randrange(4)
+        if isinstance(c, dict):
+            if op == 0 and c:
+                del c[rnd.choice(list(c))]
+            elif op == 1 and c:
+                c[rnd.choice(list(c))] = random_json(rnd)
+            elif op == 2:
+                c[rnd.choice(keys)] = random_json(rnd)
+            elif c:
+                k = rnd.choice(list(c))
+                c[k] = [c[k]] if rnd.random() < 0.5 else {"x": c[k]}
+        elif c:
+            i = rnd.randrange(len(c))
+            if op == 0:
+                del c[i]
+            elif op == 1:
+                c[i] = random_json(rnd)
+            else:
+                c.append(copy.deepcopy(c[i]))
+    return obj
+
+
+# ---- (a) safetensors header validator / readers -------------------------------------------------
+
+
+def _mutate_bytes(data: bytes, rnd: random.Random) -> bytes:
+    b = bytearray(data)
+    for _ in range(rnd.randrange(1, 5)):
+        op = rnd.randrange(6)
+        if op == 0 and b:
+            b[rnd.randrange(len(b))] = rnd.randrange(256)
+        elif op == 1:
+            del b[rnd.randrange(len(b) + 1) :]
+        elif op == 2:
+            i = rnd.randrange(len(b) + 1)
+            b[i:i] = bytes(rnd.randrange(256) for _ in range(rnd.randrange(1, 8)))
+        elif op == 3 and len(b) > 1:
+            i = rnd.randrange(len(b))
+            del b[i : i + rnd.randrange(1, 8)]
+        elif op == 4 and len(b) >= 8:
+            b[:8] = struct.pack(
+                "<Q", rnd.choice((0, 1, 2, len(b), len(b) - 8, 2**63, (100 << 20) + 1, rnd.randrange(300)))
+            )
+        else:
+            i = rnd.randrange(len(b) + 1)
+            b[i:i] = rnd.choice((b'"', b"{", b"}", b"[", b",", b":", b"\\", b"\xff", b"\0", b"1e999", b"-"))
+    return bytes(b)
+
+
+def _structured_file(rnd: random.Random) -> bytes:
+    """A header built from parts that are each almost right (JSON-level mutation of a valid one)."""
+    header, data = json.loads(valid_file()[8 : 8 + struct.unpack("<Q", valid_file()[:8])[0]]), b""
+    for blob in (v[2] for v in VALID_TENSORS.values()):
+        data += blob
+    keys = ("dtype", "shape", "data_offsets", "__metadata__", *DTYPE_SIZES, "U16", "F4", "model.a/b", "x\0y")
+    header = mutate_json(header, rnd, keys=keys)
+    data = (
+        data[: rnd.randrange(len(data) + 1)]
+        if rnd.random() < 0.3
+        else data + b"\0" * rnd.choice((0, 0, 4, 8))
+    )
+    raw = json.dumps(header).encode() if rnd.random() < 0.9 else json.dumps(header).encode()[:-1]
+    return build(raw, data)
+
+
+def gen_safetensors(rnd: random.Random) -> bytes:
+    r = rnd.random()
+    if r < 0.15:
+        return bytes(rnd.randrange(256) for _ in range(rnd.randrange(64)))
+    if r < 0.55:
+        return _mutate_bytes(valid_file(), rnd)
+    return _structured_file(rnd)
+
+
+@dataclass
+class SafetensorsTarget:
+    """validate_header, the converter's parse_header and tensor reads, and (optionally) the mmap loader."""
+
+    with_loader: bool = True
+    _dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def run(self, blob: bytes) -> bool:
+        """True when the file was accepted (and then read without error)."""
+        accepted = False
+        try:
+            parsed = validate_header("fuzz.safetensors", blob, len(blob))
+            infos = parse_header("fuzz.safetensors", blob[:64], lambda s, e: blob[s:e], len(blob))
+            assert set(infos) == set(parsed.tensors)
+            for info in infos.values():
+                assert 0 <= info.start <= info.end <= len(blob)
+                tensor_from_bytes(info, blob[info.start : info.end])
+            accepted = True
+        except SafetensorsFormatError:
+            pass
+        if self.with_loader:
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="kiln-fuzz-")
+            path = Path(self._dir.name) / "rank0.safetensors"
+            path.write_bytes(blob)
+            try:
+                mapped = map_safetensors(path)
+                for t in mapped.tensors.values():
+                    t.reshape(-1)[-1:].clone()  # touch the last element: it must lie inside the mapping
+                assert accepted, "the loader accepted a file the validator refused"
+            except SafetensorsFormatError:
+                assert not accepted, "the loader refused a file the validator accepted"
+        return accepted
+
+
+# ---- (b) config detection ------------------------------------------------------------------------
+
+
+class ConfigTarget:
+    """detect_format (+ build_plan for the cpu target) over mutated configs of real synthetic checkpoints."""
+
+    def __init__(self, root: Path) -> None:
+        self.ckpts: dict[str, Checkpoint] = {}
+        for name, (fmt, opts) in CONFIG_BASES.items():
+            path = root / name
+            if not (path / "config.json").exists():
+                write_checkpoint(path, fmt, dims=TINY_DIMS, **opts)
+            self.ckpts[name] = open_checkpoint(LocalSource(path))
+
+    def generate(self, rnd: random.Random) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]]]:
+        name = rnd.choice(sorted(self.ckpts))
+        base = self.ckpts[name]
+        config = copy.deepcopy(base.config)
+        side: dict[str, dict[str, Any]] = {}
+        r = rnd.random()
+        if r < 0.6 and "quantization_config" in config:
+            config["quantization_config"] = mutate_json(config["quantization_config"], rnd)
+        elif r < 0.8:
+            q = random_json(rnd, depth=1)
+            if isinstance(q, dict) and rnd.random() < 0.7:
+                q["quant_method"] = rnd.choice(METHODS)
+            key = rnd.choice(("quantization_config", "compression_config", "text_config"))
+            config[key] = {"quantization_config": q} if key == "text_config" else q
+        elif r < 0.9:
+            q = config.pop("quantization_config", None) or {"bits": 4, "group_size": 32}
+            side[rnd.choice(("quantize_config.json", "quant_config.json"))] = mutate_json(q, rnd)
+        else:
+            config = mutate_json(config, rnd)
+            if not isinstance(config, dict):
+                config = {"quantization_config": config}
+        return name, config, side
+
+    def run(self, case: tuple[str, dict[str, Any], dict[str, dict[str, Any]]]) -> bool:
+        """True when a format was detected and planned."""
+        name, config, side = case
+        ckpt = replace(self.ckpts[name], config=config, side_configs=side, _hashes=None, _hash_future=None)
+        try:
+            fmt = detect_format(ckpt)
+            build_plan(ckpt, fmt, "cpu", tp=1, method="auto", fp8_scheme="tensor", disabled_kernels=())
+            return True
+        except KilnError:
+            return False
+
+
+# ---- (c) Manifest.parse ------------------------------------------------------------------------
+
+
+MANIFEST_KEYS = (
+    "schema_version", "artifact_id", "source", "files", "layers", "verification", "spec", "kernel",
+    "tensors", "rank", "size", "sha256", "tp", "hf_config", "ok", "metric", "value", "bound",
+)  # fmt: skip
+
+
+class ManifestTarget:
+    def __init__(self, manifest_bytes: bytes) -> None:
+        self.valid = manifest_bytes
+        self.doc = json.loads(manifest_bytes)
+        Manifest.parse(manifest_bytes)
+
+    def generate(self, rnd: random.Random) -> bytes:
+        r = rnd.random()
+        if r < 0.6:
+            return json.dumps(mutate_json(self.doc, rnd, keys=MANIFEST_KEYS, rounds=4)).encode()
+        if r < 0.9:
+            return _mutate_bytes(self.valid, rnd)
+        return json.dumps(random_json(rnd)).encode()
+
+    def run(self, raw: bytes) -> bool:
+        """True when the manifest parsed."""
+        try:
+            m = Manifest.parse(raw)
+        except ManifestError:
+            return False
+        m.to_json_bytes()
+        for entry in m.layers.values():
+            entry.linear_spec()  # Manifest.parse has checked every spec
+        return True
+
+
+def manifest_from_conversion(work: Path) -> bytes:
+    """A real manifest: convert a tiny dense checkpoint for the cpu target."""
+    from services.convert.api import ConversionRequest, convert
+
+    src = work / "manifest-src"
+    if not (src / "config.json").exists():
+        write_checkpoint(src, "gptq", dims=TINY_DIMS, group_size=32, act_order=True)
+    result = convert(ConversionRequest(str(src), ["cpu"], out=str(work / "manifest-out")))[0]
+    return Path(result.uri, "manifest.json").read_bytes()

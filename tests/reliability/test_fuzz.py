@@ -1,0 +1,113 @@
+"""Property-based fuzzing (bounded; bench/fuzz.py runs >= 10,000 cases per target): over the
+safetensors header validator and readers, the config detector and Manifest.parse, every input either
+succeeds or raises the target's documented error class — SafetensorsFormatError, a KilnError
+(QuantConfigError / ConversionError / UnsupportedError), ManifestError — never anything else."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.reliability.fuzz_targets import (
+    ConfigTarget,
+    ManifestTarget,
+    SafetensorsTarget,
+    gen_safetensors,
+    manifest_from_conversion,
+    random_json,
+)
+from tests.reliability.st_files import build
+
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+RNG = st.randoms(use_true_random=False)
+
+
+@pytest.fixture(scope="module")
+def config_target(tmp_path_factory: pytest.TempPathFactory) -> ConfigTarget:
+    return ConfigTarget(tmp_path_factory.mktemp("fuzz-configs"))
+
+
+@pytest.fixture(scope="module")
+def manifest_target(tmp_path_factory: pytest.TempPathFactory) -> ManifestTarget:
+    return ManifestTarget(manifest_from_conversion(tmp_path_factory.mktemp("fuzz-manifest")))
+
+
+SAFETENSORS = SafetensorsTarget(with_loader=True)
+
+
+@FUZZ
+@given(st.binary(max_size=256))
+def test_safetensors_random_bytes(blob: bytes) -> None:
+    SAFETENSORS.run(blob)
+
+
+@FUZZ
+@given(RNG)
+def test_safetensors_mutated_files(rnd: random.Random) -> None:
+    SAFETENSORS.run(gen_safetensors(rnd))
+
+
+@FUZZ
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "__metadata__", "x/y", ""]),
+        st.fixed_dictionaries(
+            {
+                "dtype": st.sampled_from(["F32", "F16", "U8", "Q4", "BOOL"]),
+                "shape": st.lists(st.integers(-2, 5) | st.floats(0, 3) | st.booleans(), max_size=3),
+                "data_offsets": st.lists(st.integers(-4, 40), min_size=0, max_size=3),
+            }
+        )
+        | st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
+        max_size=3,
+    ),
+    st.integers(0, 48),
+)
+def test_safetensors_generated_headers(header: dict[str, object], data_len: int) -> None:
+    SAFETENSORS.run(build(header, bytes(data_len)))
+
+
+@FUZZ
+@given(RNG)
+def test_config_detector(config_target: ConfigTarget, rnd: random.Random) -> None:
+    config_target.run(config_target.generate(rnd))
+
+
+@FUZZ
+@given(RNG)
+def test_config_detector_random_quantization_config(config_target: ConfigTarget, rnd: random.Random) -> None:
+    q = random_json(rnd, depth=1)
+    config = dict(config_target.ckpts["dense"].config, quantization_config=q)
+    config_target.run(("gptq", config, {}))
+
+
+@FUZZ
+@given(RNG)
+def test_manifest_parse(manifest_target: ManifestTarget, rnd: random.Random) -> None:
+    manifest_target.run(manifest_target.generate(rnd))
+
+
+def test_fuzz_targets_accept_their_valid_inputs(
+    config_target: ConfigTarget, manifest_target: ManifestTarget, tmp_path: Path
+) -> None:
+    """The fuzzers start from inputs that pass: a target that rejects everything fuzzes nothing."""
+    from runtime.artifact.manifest import Manifest
+    from runtime.artifact.safetensors_header import validate_header
+    from services.convert.detect import detect_format
+    from tests.reliability.st_files import valid_file
+
+    assert len(validate_header("ok", valid_file(), len(valid_file())).tensors) == 2
+    assert {detect_format(c).name for c in config_target.ckpts.values()} == {
+        "gptq", "awq", "fp8", "compressed-tensors", "dense",
+    }  # fmt: skip
+    assert Manifest.parse(manifest_target.valid).layers
