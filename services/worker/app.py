@@ -55,7 +55,8 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         task_serializer="json",
-        accept_content=["json"],
+        result_serializer="json",
+        accept_content=["json"],  # never pickle: messages carry a job id only
     )
     return celery
 

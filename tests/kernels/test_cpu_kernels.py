@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
@@ -221,14 +223,20 @@ def test_int4_pure_torch_pack_matches_torch_op(n: int, k: int) -> None:
 
 OTHER_CPU_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
-    from kernels.base import LinearSpec
+    import json, sys, torch
+    from safetensors.torch import load_file, save_file
+    from kernels.base import IntWeight, LinearSpec
     from kernels.cpu_int4 import CpuInt4Kernel, runtime_pack_format
-    w = torch.load(sys.argv[1], weights_only=False)
-    spec = LinearSpec.from_json(torch.load(sys.argv[2], weights_only=False))
-    tensors = CpuInt4Kernel().prepare(w, spec)
-    torch.save({"tensors": tensors, "format": runtime_pack_format(),
-                "capability": torch.backends.cpu.get_cpu_capability()}, sys.argv[3])
+    t = load_file(sys.argv[1])
+    meta = json.loads(open(sys.argv[2]).read())
+    w = IntWeight(
+        codes=t["codes"], scales=t["scales"], zeros=t["zeros"], bits=4, group_size=meta["group_size"]
+    )
+    tensors = CpuInt4Kernel().prepare(w, LinearSpec.from_json(meta["spec"]))
+    save_file(tensors, sys.argv[3])
+    fmt = runtime_pack_format()
+    info = {"format": [fmt[0], bool(fmt[1])], "capability": torch.backends.cpu.get_cpu_capability()}
+    open(sys.argv[3] + ".json", "w").write(json.dumps(info))
     """
 )
 
@@ -239,18 +247,25 @@ def test_int4_artifact_packed_on_another_cpu_is_repacked_once(capability: str, t
         pytest.skip("needs an x86 CPU with AVX2 to emulate another capability")
     w = int_weight(80, 256, group_size=64, symmetric=False)  # 80 rows: a full block plus a tail
     spec = int_spec(w)
-    torch.save(w, tmp_path / "w.pt")
-    torch.save(spec.to_json(), tmp_path / "spec.pt")
+    # No pickle anywhere: tensors travel as safetensors, the rest as JSON.
+    assert w.zeros is not None
+    save_file({"codes": w.codes, "scales": w.scales, "zeros": w.zeros}, tmp_path / "w.safetensors")
+    (tmp_path / "spec.json").write_text(json.dumps({"group_size": w.group_size, "spec": spec.to_json()}))
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "PYTHONPATH": str(REPO)}
     subprocess.run(
-        [sys.executable, "-c", OTHER_CPU_SCRIPT, *(str(tmp_path / f) for f in ("w.pt", "spec.pt", "out.pt"))],
+        [
+            sys.executable,
+            "-c",
+            OTHER_CPU_SCRIPT,
+            *(str(tmp_path / f) for f in ("w.safetensors", "spec.json", "out.safetensors")),
+        ],
         env=env,
         check=True,
         timeout=120,
     )
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    out = json.loads((tmp_path / "out.safetensors.json").read_text())
     assert out["capability"] == capability
-    tensors = out["tensors"]
+    tensors = load_file(tmp_path / "out.safetensors")
     assert tuple(tensors["pack_format"].tolist()) == (out["format"][0], int(out["format"][1]))
     kernel = CpuInt4Kernel()
     assert torch.equal(kernel.dequantize(tensors, spec), w.dequantize())  # unpacks the other layout
