@@ -24,27 +24,18 @@ from kernels.base import Target
 from kernels.errors import KilnError
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
-from runtime.artifact.safetensors_header import SafetensorsFormatError, header_length, validate_header
+from runtime.artifact.safetensors_header import (
+    DTYPES,
+    SafetensorsFormatError,
+    header_length,
+    validate_header,
+)
 from runtime.kv_cache import KvCacheDtype
 from runtime.model import LlamaForCausalLM, ModelConfig, residual_dtype
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class LoadError(KilnError):
@@ -96,7 +87,7 @@ def map_safetensors(path: Path) -> MappedFile:
     data_start = parsed.data_start
     tensors: dict[str, torch.Tensor] = {}
     for name, info in parsed.tensors.items():
-        dtype = SAFETENSORS_DTYPES[info.dtype]
+        dtype = DTYPES[info.dtype]
         raw = base[data_start + info.begin : data_start + info.end]
         if (data_start + info.begin) % dtype.itemsize:
             log.warning("%s: tensor %s is misaligned in the file; copying it", path.name, name)

@@ -17,23 +17,27 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kernels.errors import LayoutError
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
+# safetensors dtype name -> torch dtype (the one table every reader and writer uses)
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_SIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 FIX_HINT = "re-export the checkpoint with safetensors.torch.save_file (or save_pretrained)"
 _FORBIDDEN_NAME_CHARS = ("\0", "/", "\\")
 

@@ -22,25 +22,11 @@ from typing import BinaryIO
 
 import torch
 
-from runtime.artifact.safetensors_header import header_length, validate_header
+from runtime.artifact.safetensors_header import DTYPES, header_length, validate_header
 from services.convert.errors import ConversionError, SourceSafetensorsError
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 COPY_CHUNK = 8 << 20
