@@ -38,6 +38,7 @@ from kernels.triton_utils import (
     largest_block_dividing,
     launch_options,
     runs_triton,
+    tile_epilogue,
 )
 
 MIN_BLOCK_K = 16  # the smallest K tile tl.dot takes; block widths bk must be multiples of it
@@ -176,6 +177,9 @@ def fp8_w8a16_gemm(
 @cache
 def _kernel() -> Any:
     triton, tl = import_triton()
+    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
+    global store_tile
+    store_tile = tile_epilogue()
 
     @triton.jit
     def fp8_w8a16_kernel(
@@ -227,16 +231,6 @@ def _kernel() -> Any:
         if not BLOCK_SCALES:
             acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
 
-        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
-        mask_mn = mask_m[:, None] & mask_n[None, :]
-        if HAS_BIAS:  # added once, by the first K split
-            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
-        if SPLIT_K == 1:
-            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
-                bits = acc.to(tl.int32, bitcast=True)
-                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
-        else:
-            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
     return fp8_w8a16_kernel

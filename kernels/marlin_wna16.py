@@ -54,6 +54,7 @@ from kernels.triton_utils import (
     import_triton,
     launch_options,
     runs_triton,
+    tile_epilogue,
 )
 
 MARLIN_TARGETS = (Target.SM80, Target.SM86, Target.SM89, Target.SM90)
@@ -200,6 +201,9 @@ def marlin_wna16_gemm(
 @cache
 def _kernel() -> Any:
     triton, tl = import_triton()
+    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
+    global store_tile
+    store_tile = tile_epilogue()
 
     @triton.jit
     def marlin_wna16_kernel(
@@ -286,16 +290,6 @@ def _kernel() -> Any:
                     w = w.to(act)
                 acc += tl.dot(x, w)
 
-        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
-        mask_mn = mask_m[:, None] & mask_n[None, :]
-        if HAS_BIAS:  # added once, by the first K split
-            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
-        if SPLIT_K == 1:
-            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
-                bits = acc.to(tl.int32, bitcast=True)
-                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
-        else:
-            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
     return marlin_wna16_kernel

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, replace
 from functools import cache
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -175,3 +175,30 @@ def largest_block_dividing(group_size: int, block_k: int) -> int:
             return b
         b //= 2
     return block_k
+
+
+@cache
+def tile_epilogue() -> Any:
+    """The GEMM epilogue every Triton kernel here shares (a `@triton.jit` helper): add the bias once
+    (first K split), then store the fp32 tile in Y's dtype, or atomically add it under split-K."""
+    global tl  # Triton's interpreter looks `tl` up in a called helper's module globals
+    triton, tl = import_triton()
+
+    @triton.jit
+    def store_tile(
+        acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        y_ptrs = Y + offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+        if SPLIT_K == 1:
+            if BF16_INTERP:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                bits = acc.to(tl.int32, bitcast=True)
+                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+
+    return store_tile
