@@ -90,6 +90,14 @@ class LinearSpec:
         return 1 if self.group_size in (-1, 0) else self.k // self.group_size
 
     @property
+    def scale_groups(self) -> int:
+        """Rows of group scales a rank stores: 1 channelwise; with act-order every group of the full
+        K (g_idx may name any of them); else this rank's groups."""
+        if self.group_size in (-1, 0):
+            return 1
+        return (self.k_full if self.act_order else self.k) // self.group_size
+
+    @property
     def torch_act_dtype(self) -> torch.dtype:
         return getattr(torch, self.act_dtype)
 
@@ -206,6 +214,46 @@ class DenseWeight:
 SourceWeight = IntWeight | Fp8Weight | DenseWeight
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """Shape and dtype of one tensor a kernel stores for a layer on one rank. `optional` tensors
+    are present or not depending on the weights (e.g. an act-order perm that turned out trivial)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    optional: bool = False
+
+
+def with_bias(
+    tensors: dict[str, StoredTensor], spec: LinearSpec, dtype: torch.dtype
+) -> dict[str, StoredTensor]:
+    """`tensors` plus the (N,) bias when the layer has one."""
+    if spec.has_bias:
+        tensors["bias"] = StoredTensor((spec.n,), dtype)
+    return tensors
+
+
+def check_stored(
+    kernel_name: str, spec: LinearSpec, declared: dict[str, StoredTensor], tensors: dict[str, torch.Tensor]
+) -> None:
+    """Raise LayoutError unless `tensors` are exactly what the kernel declares for `spec`."""
+    problems = [f"unexpected tensor {name!r}" for name in tensors if name not in declared]
+    for name, want in declared.items():
+        t = tensors.get(name)
+        if t is None:
+            if not want.optional:
+                problems.append(f"tensor {name!r} is missing")
+        elif tuple(t.shape) != want.shape or t.dtype != want.dtype:
+            problems.append(
+                f"{name} is {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, expected "
+                f"{want.shape} {str(want.dtype).removeprefix('torch.')}"
+            )
+    if problems:
+        raise LayoutError(
+            f"layer {spec.name} ({kernel_name}, N={spec.n}, K={spec.k}): " + "; ".join(problems)
+        )
+
+
 class LinearKernel(ABC):
     """One kernel family: it owns a weight layout (prepare / dequantize) and runs it (apply).
 
@@ -229,6 +277,13 @@ class LinearKernel(ABC):
         Keys are tensor suffixes ("qweight", "scales", ...); the converter prefixes the layer name.
         A bias, when present, is stored under "bias".
         """
+
+    @abstractmethod
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        """The tensors `prepare` writes for `spec` on `target`: suffix -> shape and dtype (per rank).
+
+        The loader checks an artifact against this before serving; the converter checks `prepare`'s
+        output against it, so the declaration and the layout cannot drift apart."""
 
     @abstractmethod
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 
 
@@ -62,6 +62,17 @@ class CpuFp8Kernel(LinearKernel):
         if spec.fp8_strategy not in ("tensor", "channel", "block"):
             return False, f"unknown fp8 scale strategy {spec.fp8_strategy!r} (expected tensor/channel/block)"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k = spec.n, spec.k
+        if spec.fp8_strategy == "block":
+            out = {"weight": StoredTensor((n, k), torch.float32)}
+        else:
+            out = {
+                "weight": StoredTensor((n, k), widened_dtype(spec)),
+                "scale": StoredTensor((n,), torch.float32),
+            }
+        return with_bias(out, spec, torch.float32)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):

@@ -40,7 +40,7 @@ from functools import cache
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,20 @@ class CpuInt4Kernel(LinearKernel):
         if spec.act_order and spec.k != spec.k_full:
             return False, "act-order with a row-parallel split: a rank holds partial groups"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k = spec.n, spec.k
+        op_group = op_group_size(k, spec.group_size) or k
+        out = {
+            "qweight": StoredTensor((n, k // 2), torch.uint8),
+            "pack_format": StoredTensor((2,), torch.int32),
+            "scales_and_zeros": StoredTensor((k // op_group, n, 2), torch.bfloat16),
+        }
+        if not spec.symmetric:
+            out["zero_offsets"] = StoredTensor((spec.scale_groups, n), torch.float32)
+        if spec.act_order:  # stored only when g_idx is not the trivial k // group_size
+            out["perm"] = StoredTensor((k,), torch.int32, optional=True)
+        return with_bias(out, spec, torch.float32)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         w = _check_int(weight, spec, self.name)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 
 CODE_BIAS = 128  # uint8b128: real integer = code - 128
@@ -57,6 +57,13 @@ class CpuInt8Kernel(LinearKernel):
                 f"cpu_int8 takes channelwise 8-bit only (group size {spec.group_size}: dense fallback)"
             )
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        out = {
+            "qweight": StoredTensor((spec.n, spec.k), torch.int8),
+            "scales": StoredTensor((spec.n,), torch.bfloat16),
+        }
+        return with_bias(out, spec, torch.float32)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):

@@ -26,7 +26,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import (
+    DenseWeight,
+    Fp8Weight,
+    IntWeight,
+    LinearKernel,
+    LinearSpec,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    with_bias,
+)
 from kernels.errors import LayoutError
 
 GPU_QUANTIZED_REASON = "quantized layers on GPU use a quantized kernel; dense fallback would multiply memory"
@@ -50,6 +60,10 @@ class DenseKernel(LinearKernel):
         if spec.scheme == "dense" or target is Target.CPU:
             return True, ""
         return False, GPU_QUANTIZED_REASON
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        dtype = storage_dtype(spec, target)
+        return with_bias({"weight": StoredTensor((spec.n, spec.k), dtype)}, spec, dtype)
 
     def prepare(
         self, weight: SourceWeight, spec: LinearSpec, *, target: Target | str | None = None

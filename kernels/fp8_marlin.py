@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
 from kernels.marlin_layout import (
@@ -82,6 +82,15 @@ class Fp8MarlinKernel(LinearKernel):
         elif spec.fp8_strategy not in ("tensor", "channel"):
             return False, f"unknown FP8 strategy {spec.fp8_strategy!r}"
         return check_marlin_shape(spec.n, spec.k, spec.k, group, bits=8)
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k, act = spec.n, spec.k, spec.torch_act_dtype
+        group = _group_size(spec)
+        out = {
+            "qweight": StoredTensor((k // 16, 4 * n), torch.int32),
+            "scales": StoredTensor((1 if group == -1 else k // group, n), act),
+        }
+        return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 from kernels.triton_utils import (
     GemmConfig,
@@ -74,6 +74,19 @@ class Fp8W8A16Kernel(LinearKernel):
         elif spec.fp8_strategy not in ("tensor", "channel"):
             return False, f"unknown FP8 strategy {spec.fp8_strategy!r}; expected tensor, channel or block"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k = spec.n, spec.k
+        if spec.fp8_strategy == "block" and spec.block_size is not None:
+            bn, bk = spec.block_size
+            scale_shape: tuple[int, ...] = (-(-n // bn), -(-k // bk))
+        else:
+            scale_shape = (n,)
+        out = {
+            "weight": StoredTensor((n, k), torch.float8_e4m3fn),
+            "weight_scale": StoredTensor(scale_shape, torch.float32),
+        }
+        return with_bias(out, spec, spec.torch_act_dtype)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):

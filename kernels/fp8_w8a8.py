@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
 from kernels.triton_utils import (
@@ -71,6 +71,14 @@ class Fp8W8A8Kernel(LinearKernel):
         if spec.k % 16 or spec.n % 16:
             return False, f"fp8_w8a8 needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        scales = 1 if spec.fp8_strategy == "tensor" else spec.n
+        out = {
+            "weight": StoredTensor((spec.n, spec.k), torch.float8_e4m3fn),
+            "weight_scale": StoredTensor((scales,), torch.float32),
+        }
+        return with_bias(out, spec, spec.torch_act_dtype)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):

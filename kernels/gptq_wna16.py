@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
-from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
 from kernels.errors import LayoutError
 from kernels.triton_utils import (
     GemmConfig,
@@ -75,6 +75,18 @@ class GptqWNA16Kernel(LinearKernel):
         if spec.group_size not in (-1, 0) and not spec.act_order and spec.k % spec.group_size:
             return False, f"K per rank = {spec.k} is not a multiple of group_size {spec.group_size}"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k, act, groups = spec.n, spec.k, spec.torch_act_dtype, spec.scale_groups
+        out = {
+            "qweight": StoredTensor((packed_length(k, spec.bits), n), torch.int32),
+            "scales": StoredTensor((groups, n), act),
+        }
+        if not spec.symmetric:
+            out["qzeros"] = StoredTensor((groups, packed_length(n, spec.bits)), torch.int32)
+        if spec.act_order:
+            out["g_idx"] = StoredTensor((k,), torch.int32)
+        return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):

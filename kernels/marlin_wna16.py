@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
 from kernels.marlin_layout import (
@@ -84,6 +84,19 @@ class MarlinWNA16Kernel(LinearKernel):
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason
         return check_marlin_shape(spec.n, spec.k, spec.k_full, spec.group_size, bits=spec.bits)
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        n, k, act = spec.n, spec.k, spec.torch_act_dtype
+        out = {
+            "qweight": StoredTensor((k // 16, n * spec.bits // 2), torch.int32),
+            "scales": StoredTensor((spec.scale_groups, n), act),
+        }
+        if not spec.symmetric:
+            out["zeros"] = StoredTensor((spec.scale_groups, n * spec.bits // 32), torch.int32)
+        if spec.act_order:
+            out["g_idx"] = StoredTensor((k,), torch.int32)
+            out["perm"] = StoredTensor((k,), torch.int32)
+        return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):

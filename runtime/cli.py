@@ -9,10 +9,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 from kernels.errors import KilnError
-from runtime.serve_cli import register_serve
+from runtime.serve_cli import VERIFY_HELP, register_serve
 
 err = Console(stderr=True)
 
@@ -23,29 +22,6 @@ def register(app: typer.Typer) -> None:
     app.command("generate")(generate_command)
     # ---- `kiln serve` lives in runtime/serve_cli.py (server owner) --------------------------------
     register_serve(app)
-
-
-def pull_with_progress(uri: str, cache_dir: Path, rank: int | None = None) -> Path:
-    """`runtime.artifact.pull.pull` with a rich progress bar on stderr (local dirs: verify only)."""
-    from runtime.artifact.pull import PullProgress, pull
-
-    if not uri.startswith("s3://"):
-        with err.status(f"verifying {uri}"):
-            return pull(uri, cache_dir, rank)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err,
-        transient=False,
-    ) as bar:
-        task = bar.add_task(f"pull {uri.rsplit('/', 1)[-1]}", total=None)
-
-        def on_progress(p: PullProgress) -> None:
-            bar.update(task, completed=p.bytes_done, total=p.bytes_total)
-
-        return pull(uri, cache_dir, rank, on_progress)
 
 
 def _fail(e: KilnError) -> typer.Exit:
@@ -61,6 +37,7 @@ def pull_command(
     cache_dir: Annotated[Path | None, typer.Option(help="default: KILN_CACHE_DIR")] = None,
 ) -> None:
     """Download an artifact (parallel ranged GETs, resumable, sha256-verified) into the local cache."""
+    from runtime.progress import pull_with_progress
     from runtime.settings import get_settings
 
     try:
@@ -88,20 +65,18 @@ def generate_command(
     cache_dir: Annotated[
         Path | None, typer.Option(help="where s3:// artifacts are pulled (KILN_CACHE_DIR)")
     ] = None,
+    verify: Annotated[bool, typer.Option(help=VERIFY_HELP)] = False,
 ) -> None:
     """One-shot generation: prints the completion, then load time and tokens/s on stderr."""
     from runtime.chat import apply_chat_template
     from runtime.engine import Engine
     from runtime.loader import load_model
     from runtime.sampling import SamplingParams
-    from runtime.settings import get_settings
+    from runtime.serve_cli import resolve_artifact
 
     started = time.perf_counter()
     try:
-        if artifact.startswith("s3://"):
-            path = pull_with_progress(artifact, cache_dir or get_settings().cache_dir)
-        else:
-            path = Path(artifact)
+        path = resolve_artifact(artifact, cache_dir, verify=verify)
         loaded = load_model(path, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
         engine = Engine(loaded, max_num_seqs=1, max_model_len=max_model_len)
         tokenizer = loaded.tokenizer

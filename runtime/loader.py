@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.base import Target
-from kernels.errors import KilnError
+from kernels.base import LinearSpec, Target, check_stored
+from kernels.errors import KilnError, LayoutError
 from kernels.registry import get_kernel
-from runtime.artifact.manifest import Manifest
+from runtime.artifact.manifest import LayerEntry, Manifest, artifact_file
 from runtime.artifact.safetensors_header import (
     DTYPES,
     SafetensorsFormatError,
@@ -31,11 +31,11 @@ from runtime.artifact.safetensors_header import (
     validate_header,
 )
 from runtime.kv_cache import KvCacheDtype
-from runtime.model import LlamaForCausalLM, ModelConfig, residual_dtype
+from runtime.model import LlamaForCausalLM, residual_dtype
+from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
 
 
 class LoadError(KilnError):
@@ -203,6 +203,63 @@ def _eos_ids(artifact_dir: Path, hf_config: dict[str, Any], tokenizer: Any) -> t
     return tuple(sorted(ids))
 
 
+def check_layer_shape(
+    name: str, spec: LinearSpec, layout: LinearLayout, cfg: ModelConfig, rank: int, world_size: int
+) -> None:
+    """The manifest's spec of a layer against the shape the model config gives it on this rank."""
+    want = rank_shape(layout, cfg, rank, world_size)
+    got_shards = tuple(s.size for s in spec.shards) or (spec.n,)
+    problems = []
+    if spec.name != name:
+        problems.append(f"spec names layer {spec.name!r}")
+    if (spec.n, spec.k, spec.k_full) != (want.n, want.k, layout.k):
+        problems.append(
+            f"spec has N={spec.n}, K={spec.k} (whole K {spec.k_full}); the model config gives "
+            f"N={want.n}, K={want.k} (whole K {layout.k}) on rank {rank} of {world_size}"
+        )
+    elif got_shards != want.shard_sizes:
+        problems.append(f"shard sizes {list(got_shards)}, the model config gives {list(want.shard_sizes)}")
+    if spec.row_parallel != (layout.row_parallel and world_size > 1):
+        problems.append(f"row_parallel={spec.row_parallel} does not fit this layer at tp={world_size}")
+    if problems:
+        raise LoadError(f"manifest layer {name}: {'; '.join(problems)}; {ARTIFACT_FIX}")
+
+
+def check_layer_tensors(
+    name: str,
+    entry: LayerEntry,
+    spec: LinearSpec,
+    declared: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+) -> None:
+    """A layer's tensors in rank `rank`'s files against what its kernel declares for its spec."""
+    listed = set(entry.tensors)
+    absent = sorted(listed - set(tensors))
+    if absent:
+        raise LoadError(
+            f"tensor {name}.{absent[0]} (kernel {entry.kernel}) is missing from rank {rank}'s files"
+        )
+    undeclared = sorted(listed - set(declared))
+    if undeclared:
+        raise LoadError(
+            f"manifest layer {name} lists tensor {undeclared[0]!r}, which kernel {entry.kernel} does not "
+            f"store (it stores {sorted(declared)}); {ARTIFACT_FIX}"
+        )
+    try:
+        check_stored(entry.kernel, spec, declared, tensors)
+    except LayoutError as e:
+        raise LoadError(f"{e}; {ARTIFACT_FIX}") from e
+
+
+def check_dense_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape or not t.dtype.is_floating_point:
+        raise LoadError(
+            f"tensor {name} is {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}; the model config "
+            f"needs a floating-point {shape}; {ARTIFACT_FIX}"
+        )
+
+
 def _set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
@@ -237,11 +294,13 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
 
+    for entry in manifest.shared_files():  # config, tokenizer: read below, never through a link out
+        artifact_file(artifact_dir, entry.name)
     # Map this rank's files (and only those).
     files: list[MappedFile] = []
     tensors: dict[str, torch.Tensor] = {}
     for entry in manifest.rank_files(rank):
-        path = artifact_dir / entry.name
+        path = artifact_file(artifact_dir, entry.name)
         if not path.is_file():
             raise LoadError(
                 f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})"
@@ -259,26 +318,30 @@ def load_model(
         return t if device == "cpu" else t.to(device, non_blocking=False)
 
     used: set[str] = set()
-    # Linear layers: resolve the kernel and its tensors once.
+    # Linear layers: check each against the model config and its kernel's declared tensors, then bind.
+    target = Target(manifest.target)
+    layouts = {layout.name: layout for layout in linear_layouts(cfg, has_lm_head_layer)}
     linears = model.linear_layers()
     for name, entry in manifest.layers.items():
         module = linears.get(name)
-        if module is None:
+        layout = layouts.get(name)
+        if module is None or layout is None:
             raise LoadError(
                 f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)"
             )
         kernel = get_kernel(entry.kernel)
         spec = entry.linear_spec()
+        check_layer_shape(name, spec, layout, cfg, rank, world_size)
+        mine = {
+            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
+        }
+        check_layer_tensors(name, entry, spec, kernel.stored_tensors(spec, target), mine, rank)
         bound: dict[str, torch.Tensor] = {}
-        for suffix in entry.tensors:
-            key = f"{name}.{suffix}"
-            if key not in tensors:
-                raise LoadError(f"tensor {key} (kernel {entry.kernel}) is missing from rank {rank}'s files")
+        for suffix, t in mine.items():
+            used.add(f"{name}.{suffix}")
             if suffix == "bias" and spec.row_parallel and rank != 0:
-                used.add(key)  # the all-reduce must add a row-parallel bias once: rank 0 applies it
-                continue
-            bound[suffix] = to_device(tensors[key])
-            used.add(key)
+                continue  # the all-reduce must add a row-parallel bias once: rank 0 applies it
+            bound[suffix] = to_device(t)
         module.bind(kernel, spec, bound)
     missing = [m.name for m in linears.values() if m.kernel is None]
     if missing:
@@ -291,6 +354,7 @@ def load_model(
     for hf_name, (module, attr) in model.hf_parameter_names().items():
         if hf_name not in tensors:
             raise LoadError(f"tensor {hf_name} is missing from rank {rank}'s files")
+        check_dense_tensor(hf_name, tensors[hf_name], tuple(getattr(module, attr).shape))
         t = to_device(tensors[hf_name])
         if not isinstance(module, nn.Embedding) and t.dtype != norm_dtype:
             t = t.to(norm_dtype)
@@ -298,6 +362,7 @@ def load_model(
         used.add(hf_name)
     if not has_lm_head_layer:
         if "lm_head.weight" in tensors:
+            check_dense_tensor("lm_head.weight", tensors["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size))
             head = to_device(tensors["lm_head.weight"])
             used.add("lm_head.weight")
         elif cfg.tie_word_embeddings:

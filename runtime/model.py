@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,74 +41,13 @@ from torch import nn
 from kernels.base import LinearKernel, LinearSpec
 from kernels.errors import UnsupportedError
 from runtime.kv_cache import KVCache
+from runtime.model_layout import ModelConfig
 
 # Logits recomputed in fp32 after the (bf16) tied lm_head GEMM: the largest ones, which greedy
 # decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
 # the true maximum is always among the top few of the rounded logits.
 LM_HEAD_EXACT_TOP = 8
 TOP_K_BLOCK = 128  # block size of `top_k_indices`' first pass
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    sliding_window: int | None = None  # Mistral v0.1 (and Qwen2 with use_sliding_window)
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
-        arch = architecture or (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedError(
-                f"architecture {arch} is not supported by the runtime (supported: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-            )
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = rope or cfg.get("rope_scaling") or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            sliding_window=(
-                cfg.get("sliding_window")
-                if arch == "MistralForCausalLM" or cfg.get("use_sliding_window")
-                else None
-            ),
-        )
 
 
 # ------------------------------------------------------------------------------------------------

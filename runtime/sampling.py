@@ -15,6 +15,7 @@ import torch
 from kernels.errors import KilnError
 
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed seed, as vLLM and torch take it
 
 
 class InvalidRequestError(KilnError):
@@ -59,6 +60,8 @@ class SamplingParams:
                 raise bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         if any(not s for s in self.stop):
             raise bad("stop strings must not be empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad(f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
 
 @dataclass

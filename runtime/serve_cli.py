@@ -20,17 +20,31 @@ class KvCacheDtypeChoice(StrEnum):
     fp8 = "fp8"
 
 
-def resolve_artifact(artifact: str, cache_dir: Path | None) -> Path:
-    """A local artifact directory as is (the loader checks file sizes against the manifest), or an
-    `s3://…` artifact pulled into the cache (verified, reused when already there)."""
+VERIFY_HELP = (
+    "Hash every file of the artifact (sha256, in parallel) against its manifest before loading. "
+    "Without it a local or already-cached artifact is checked for file sizes, headers and tensor "
+    "shapes only; files downloaded from s3:// are always hashed."
+)
+
+
+def resolve_artifact(artifact: str, cache_dir: Path | None, *, verify: bool = False) -> Path:
+    """A local artifact directory as is (the loader checks sizes, headers and shapes), or an `s3://…`
+    artifact pulled into the cache (downloads hashed; a cached copy is reused). `verify` hashes every
+    file of the result against the manifest."""
+    from runtime.progress import pull_with_progress, verify_with_progress
+
     if artifact.startswith("s3://"):
-        from runtime.artifact.pull import pull
         from runtime.settings import get_settings
 
-        return pull(artifact, cache_dir or get_settings().cache_dir)
-    path = Path(artifact).expanduser()
-    if not path.is_dir():
-        raise typer.BadParameter(f"{artifact}: not a directory and not an s3:// URI", param_hint="ARTIFACT")
+        path = pull_with_progress(artifact, cache_dir or get_settings().cache_dir)
+    else:
+        path = Path(artifact).expanduser()
+        if not path.is_dir():
+            raise typer.BadParameter(
+                f"{artifact}: not a directory and not an s3:// URI", param_hint="ARTIFACT"
+            )
+    if verify:
+        verify_with_progress(path)
     return path
 
 
@@ -39,7 +53,7 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name in the API (default: ARTIFACT as given).")
+        str | None, typer.Option(help="Model name in the API (default: the artifact id).")
     ] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 8,
     max_model_len: Annotated[
@@ -51,11 +65,19 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the artifact's target).")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Where s3:// artifacts are pulled to.")] = None,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
+    verify: Annotated[bool, typer.Option(help=VERIFY_HELP)] = False,
+    max_request_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Request bodies over this many bytes get 413 (KILN_SERVE_MAX_REQUEST_BYTES)."
+        ),
+    ] = None,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (/v1/chat/completions, /v1/completions, …)."""
     import torch
     import uvicorn
 
+    from kernels.errors import KilnError
     from runtime.engine import AsyncEngine, Engine
     from runtime.loader import load_model
     from runtime.server import build_app
@@ -64,13 +86,24 @@ def serve(
     settings = get_settings()
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
-    path = resolve_artifact(artifact, cache_dir)
-    loaded = load_model(path, device=device, kv_cache_dtype=kv_cache_dtype.value)
-    if loaded.tokenizer is None:
-        raise typer.BadParameter(f"{path}: the artifact has no tokenizer", param_hint="ARTIFACT")
-    engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    name = served_model_name or artifact
-    app = build_app(AsyncEngine(engine), name, loaded.tokenizer, root=str(path))
+    try:
+        path = resolve_artifact(artifact, cache_dir, verify=verify)
+        loaded = load_model(path, device=device, kv_cache_dtype=kv_cache_dtype.value)
+        if loaded.tokenizer is None:
+            raise typer.BadParameter(f"{path}: the artifact has no tokenizer", param_hint="ARTIFACT")
+        engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    except KilnError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from e
+    artifact_id = loaded.manifest.artifact_id
+    name = served_model_name or artifact_id
+    app = build_app(
+        AsyncEngine(engine),
+        name,
+        loaded.tokenizer,
+        root=artifact_id,
+        max_request_bytes=max_request_bytes or settings.serve_max_request_bytes,
+    )
     log.info("serving %s (%s) on http://%s:%d, loaded in %.2f s", name, path, host, port, loaded.load_seconds)
     uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
 

@@ -7,8 +7,11 @@ lm-evaluation-harness tokenize through the server). Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters and context overflow,
 404 for an unknown model or route.
 
-The handlers only tokenize, validate and format: prefill and decode run in the AsyncEngine's thread.
-A client that disconnects (streaming or not) has its requests aborted, which frees their slots.
+The handlers only tokenize, validate and format: prefill and decode run in the AsyncEngine's thread,
+and tokenization / chat templating / detokenizing a whole prompt run in a worker thread, so a large
+prompt never stalls the event loop (health checks, other streams). Request bodies over
+`max_request_bytes` are refused with 413 before they are read. A client that disconnects (streaming
+or not) has its requests aborted, which frees their slots.
 
 Completions with `echo` + `logprobs` return prompt log-likelihoods the way lm-evaluation-harness's
 `local-completions` reads them: `logprobs.tokens`, `token_logprobs` (first entry null),
@@ -37,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from runtime.body_limit import BodySizeLimit
 from runtime.chat import ChatTemplateError, apply_chat_template
 from runtime.engine import AsyncEngine, ContextLengthError, RequestOutput
 from runtime.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
@@ -232,7 +236,7 @@ class OpenAIServing:
             )
         return wanted
 
-    def encode_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def encode_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
             texts: list[str] | None = [prompt]
             batch: list[list[int]] = []
@@ -251,8 +255,21 @@ class OpenAIServing:
                 param="prompt",
             )
         if texts is not None:
-            batch = [list(self.tokenizer(t)["input_ids"]) for t in texts]
+            tokenizer = self.tokenizer
+            batch = await asyncio.to_thread(lambda: [list(tokenizer(t)["input_ids"]) for t in texts])
         return batch
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """The chat template applied and tokenized, off the event loop."""
+        try:
+            return await asyncio.to_thread(
+                apply_chat_template, self.tokenizer, messages, add_generation_prompt=add_generation_prompt
+            )
+        except ChatTemplateError as e:
+            raise OpenAIError(400, str(e), param="messages") from e
+
+    async def decode(self, ids: list[int]) -> str:
+        return await asyncio.to_thread(self.tokenizer.decode, ids)
 
     @staticmethod
     def sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
@@ -447,9 +464,13 @@ def build_app(
     max_model_len: int | None = None,
     root: str | None = None,
     manage_engine: bool = True,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app. With `manage_engine`, the app's lifespan starts the AsyncEngine's
-    thread and shuts it down at exit."""
+    """The OpenAI-compatible app.
+
+    With `manage_engine`, the app's lifespan starts the AsyncEngine's thread and shuts it down at
+    exit. Bodies over `max_request_bytes` (default: the setting `serve_max_request_bytes`) get 413.
+    """
     serving = OpenAIServing(async_engine, served_model_name, tokenizer, max_model_len, root)
 
     @asynccontextmanager
@@ -464,6 +485,17 @@ def build_app(
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
+    if max_request_bytes is None:
+        from runtime.settings import get_settings
+
+        max_request_bytes = get_settings().serve_max_request_bytes
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_request_bytes,
+        error_body=lambda message: OpenAIError(
+            413, message + " (kiln serve --max-request-bytes)", code="request_too_large"
+        ).body(),
+    )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -529,14 +561,12 @@ def build_app(
             raise OpenAIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
         if req.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            try:
-                ids = apply_chat_template(
-                    tokenizer, messages, add_generation_prompt=req.add_generation_prompt
-                )
-            except ChatTemplateError as e:
-                raise OpenAIError(400, str(e), param="messages") from e
+            ids = await serving.chat_prompt(messages, req.add_generation_prompt)
         else:
-            ids = list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            encoding = await asyncio.to_thread(
+                tokenizer, req.prompt, add_special_tokens=req.add_special_tokens
+            )
+            ids = list(encoding["input_ids"])
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")
@@ -544,7 +574,7 @@ def build_app(
         serving.check_model(req.model)
         if any(not 0 <= t < len(tokenizer) for t in req.tokens):
             raise OpenAIError(400, f"token ids must be in [0, {len(tokenizer)})", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await serving.decode(req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -579,7 +609,7 @@ def _check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
 async def _completions(s: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
     s.check_model(req.model)
     _check_supported(req)
-    prompts = s.encode_prompts(req.prompt)
+    prompts = await s.encode_prompts(req.prompt)
     if req.max_tokens == 0 and not req.echo:
         raise OpenAIError(400, "max_tokens=0 is only allowed with echo=true", param="max_tokens")
     rid = _new_id("cmpl")
@@ -602,7 +632,7 @@ async def _completions(s: OpenAIServing, req: CompletionRequest, request: Reques
         return Response(status_code=499)
     choices = []
     for i, (job, res) in enumerate(zip(jobs, results, strict=True)):
-        prompt_text = s.tokenizer.decode(job.prompt_ids) if req.echo else ""
+        prompt_text = await s.decode(job.prompt_ids) if req.echo else ""
         gen_text = "" if job.drop_generated else res.text
         choices.append(
             {
@@ -725,7 +755,7 @@ async def _completion_stream(
             if req.echo and not echoed[i]:
                 echoed[i] = True
                 prompt_part = True
-                text = s.tokenizer.decode(job.prompt_ids) + text
+                text = await s.decode(job.prompt_ids) + text
             lp = None
             if req.logprobs is not None:
                 lp = s.completion_logprobs(
@@ -759,12 +789,7 @@ async def _completion_stream(
 async def _chat(s: OpenAIServing, req: ChatCompletionRequest, request: Request) -> Response:
     s.check_model(req.model)
     _check_supported(req)
-    try:
-        prompt_ids = apply_chat_template(
-            s.tokenizer, req.message_dicts(), add_generation_prompt=req.add_generation_prompt
-        )
-    except ChatTemplateError as e:
-        raise OpenAIError(400, str(e), param="messages") from e
+    prompt_ids = await s.chat_prompt(req.message_dicts(), req.add_generation_prompt)
     max_tokens = s.max_tokens_for(len(prompt_ids), req.max_new_tokens(), None)
     params = s.sampling(req, max_tokens)
     if req.logprobs:

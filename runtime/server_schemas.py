@@ -8,15 +8,65 @@ result but are not implemented (n > 1, penalties, logit_bias, tools, JSON mode â
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-MAX_LOGPROBS = 20
+from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+
+# OpenAI's chat roles; others are refused with a 400 as the OpenAI API does.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+TokenId = Annotated[StrictInt, Field(ge=0)]  # not bool: `[true]` is not token id 1
+
+
+def lone_surrogate_path(value: Any, path: str = "body") -> str | None:
+    """Path of the first string (or key) holding a lone UTF-16 surrogate, or None. JSON allows
+    "\\ud800", but it is not valid Unicode text and cannot be tokenized."""
+    if isinstance(value, str):
+        return None if value.isascii() or not _has_surrogate(value) else path
+    if isinstance(value, dict):
+        children = [(f"{path}.{_printable(key)}", key, item) for key, item in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{path}[{i}]", None, item) for i, item in enumerate(value)]
+    else:
+        return None
+    for where, key, item in children:
+        if isinstance(key, str) and _has_surrogate(key):
+            return where
+        found = lone_surrogate_path(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _printable(key: Any) -> str:
+    """A key as it can appear in an error message (a lone surrogate escaped as \\udXXX)."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(_Request):
+    """A whole request body: refuses lone surrogates anywhere in it with a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_path(data)
+        if where is not None:
+            field = where.removeprefix("body").lstrip(".") or "body"
+            raise ValueError(f"{field} contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        return data
 
 
 class StreamOptions(_Request):
@@ -24,14 +74,14 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Request):
+class _Sampling(_Body):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -65,7 +115,7 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     # str | list[str] | list[int] (one tokenized prompt) | list[list[int]] (a batch of them)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -82,7 +132,7 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(_Request):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -123,7 +173,7 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages formatted with the chat template."""
 
     model: str | None = None
@@ -133,9 +183,9 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 Endpoint = Literal["completions", "chat"]

@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     # --- kernels / runtime --------------------------------------------------------------------
     disabled_kernels: Annotated[list[str], NoDecode] = Field(default_factory=list)
     num_threads: int = 0  # 0: torch default
+    serve_max_request_bytes: int = Field(default=8 << 20, gt=0)  # `kiln serve` bodies over this: 413
 
     @field_validator("disabled_kernels", "cors_origins", mode="before")
     @classmethod

@@ -11,10 +11,13 @@ SQL is an upsert.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -23,6 +26,7 @@ from kernels.errors import KilnError
 from runtime.settings import Settings, get_settings
 from services.db import repo
 from services.db.session import session_scope
+from services.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +155,59 @@ class JobSpec:
     attempt: int
 
 
+NO_LOCAL_CHECKPOINT = (
+    "no checkpoint at this path on the conversion server (expected a directory holding config.json "
+    "and *.safetensors files); check the path, or upload the checkpoint and use s3://bucket/prefix"
+)
+ELIDED_PATH = "<server path>"
+# An absolute path in a message: a '/' that does not continue a word, URL or relative path.
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"]*")
+_TRAILING_PUNCTUATION = ".,:;)]}"
+
+
+def is_local(source: str) -> bool:
+    return not source.startswith("s3://")
+
+
+def local_source_problem(source: str) -> str | None:
+    """The one message for a server-local source that is not a checkpoint directory, whether the
+    path is missing, a file, unreadable or a directory without config.json: a job's error must not
+    tell the submitter which (that would map the server's filesystem)."""
+    try:
+        found = (Path(source) / "config.json").is_file()
+    except (OSError, ValueError):
+        found = False
+    return None if found else f"source {source!r}: {NO_LOCAL_CHECKPOINT}"
+
+
+def _resolved(source: str) -> str:
+    try:
+        return os.path.realpath(source)
+    except (OSError, ValueError):
+        return source
+
+
+def public_error(message: str, source: str) -> str:
+    """A job's error as its submitter reads it: credentials in URLs redacted and, for a server-local
+    source, no server path but the one submitted. The resolved form of the source (`/proc/self/cwd`
+    -> the server's working directory) is written as submitted; any other path is elided."""
+    message = redact_text(message)
+    if not is_local(source):
+        return message
+    submitted = source.rstrip("/") or "/"
+    resolved = _resolved(submitted)
+
+    def rewrite(m: re.Match[str]) -> str:
+        path = m.group(0).rstrip(_TRAILING_PUNCTUATION)
+        tail = m.group(0)[len(path) :]
+        for root in (submitted, resolved):
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                return submitted + path[len(root) :] + tail if root != "/" else path + tail
+        return ELIDED_PATH + tail
+
+    return _ABS_PATH.sub(rewrite, message)
+
+
 def build_request(spec: JobSpec, settings: Settings) -> object:
     from services.convert.api import ConversionRequest
 
@@ -203,6 +260,9 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
         j = claim.job
         spec = JobSpec(j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts)
     log.info("job %s: attempt %d: converting %s for %s", job_id, spec.attempt, spec.source, spec.targets)
+    if is_local(spec.source) and (problem := local_source_problem(spec.source)) is not None:
+        _finish(job_id, "failed", problem, settings)
+        return "failed"
 
     try:
         from services.convert.api import Cancelled, convert
@@ -219,7 +279,7 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
                 settings=settings,
             )
     except Cancelled as e:
-        _finish(job_id, "cancelled", f"cancelled: {e}", settings)
+        _finish(job_id, "cancelled", public_error(f"cancelled: {e}", spec.source), settings)
         return "cancelled"
     except SoftTimeLimitExceeded:
         _finish(
@@ -233,13 +293,14 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
     except Exception as e:
         if is_transient(e):
             reason = f"transient error on attempt {spec.attempt}: {type(e).__name__}: {e}"
-            _retry_later(job_id, reason, settings)
-            raise TransientJobError(str(e)) from e
+            _retry_later(job_id, public_error(reason, spec.source), settings)
+            raise TransientJobError(redact_text(str(e))) from e
         if isinstance(e, KilnError):
-            _finish(job_id, "failed", str(e), settings)
+            _finish(job_id, "failed", public_error(str(e), spec.source), settings)
         else:
             log.exception("job %s: unexpected error", job_id)
-            _finish(job_id, "failed", f"internal error ({type(e).__name__}): {e}", settings)
+            reason = f"internal error ({type(e).__name__}): {e}"
+            _finish(job_id, "failed", public_error(reason, spec.source), settings)
         return "failed"
 
     ids = [r.artifact_id for r in results]

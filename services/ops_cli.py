@@ -10,7 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from runtime.settings import get_settings
+from runtime.settings import Settings, get_settings
+from services.redact import redact_url
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -57,6 +58,11 @@ def ensure_bootstrap_token() -> None:
     console.print(f"[bold]created an admin API token[/bold]; saved to {path.resolve()}")
 
 
+def startup_banner(settings: Settings, host: str, port: int) -> str:
+    mode = f"celery on {redact_url(settings.broker_url)}" if settings.broker_url else "embedded worker"
+    return f"kiln api on http://{host}:{port} ({mode}; store {redact_url(settings.resolved_store_url)})"
+
+
 def api(
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
@@ -70,8 +76,7 @@ def api(
     ensure_schema_for_api()
     if not settings.broker_url and _is_sqlite(settings.resolved_database_url):
         ensure_bootstrap_token()
-    mode = "celery on " + settings.broker_url if settings.broker_url else "embedded worker"
-    console.print(f"kiln api on http://{host}:{port} ({mode}; store {settings.resolved_store_url})")
+    console.print(startup_banner(settings, host, port))
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
 
 
@@ -137,12 +142,55 @@ def create_token(
     from services.db.session import session_scope
 
     with session_scope(get_settings()) as s:
-        plain, _ = repo.create_token(s, name, is_admin=admin)
+        plain, row = repo.create_token(s, name, is_admin=admin)
+        token_id = row.id
+    console.print(f"created {'admin ' if admin else ''}token {token_id} ({name!r})")
     if out is not None:
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(plain + "\n")
     typer.echo(plain)
+
+
+@admin_app.command("list-tokens")
+def list_tokens() -> None:
+    """List API tokens: id, name, admin or not, created, revoked (never the token itself)."""
+    from services.db import repo
+    from services.db.session import session_scope
+
+    with session_scope(get_settings()) as s:
+        rows = [
+            (t.id, t.name, t.is_admin, repo.as_aware(t.created_at), repo.as_aware(t.revoked_at))
+            for t in repo.list_tokens(s)
+        ]
+    for token_id, name, is_admin, created, revoked in rows:
+        state = f"revoked {revoked:%Y-%m-%d %H:%M:%S}" if revoked else "active"
+        role = "admin" if is_admin else "user"
+        typer.echo(f"{token_id}\t{name}\t{role}\tcreated {created:%Y-%m-%d %H:%M:%S}\t{state}")
+
+
+@admin_app.command("revoke-token")
+def revoke_token(
+    token: Annotated[
+        str, typer.Argument(help="A token id (all digits), or a name: revokes every active token so named")
+    ],
+) -> None:
+    """Revoke API tokens at once: later requests with them get 401. Their jobs are kept."""
+    from services.db import repo
+    from services.db.session import session_scope
+
+    try:
+        with session_scope(get_settings()) as s:
+            result = repo.revoke_tokens(s, token)
+            revoked = [(t.id, t.name) for t in result.revoked]
+            already = [(t.id, t.name) for t in result.already]
+    except repo.UnknownToken as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from e
+    for token_id, name in revoked:
+        typer.echo(f"revoked token {token_id} ({name!r})")
+    for token_id, name in already:
+        typer.echo(f"token {token_id} ({name!r}) was already revoked")
 
 
 @admin_app.command("reconcile")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kernels.base import LinearSpec
 from kernels.errors import KilnError
@@ -27,10 +29,52 @@ from kernels.errors import KilnError
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
 MANIFEST_NAME = "manifest.json"
+# Every file of an artifact lies directly in its directory (or key prefix): one path component of
+# letters, digits, '_', '-' and '.', not starting with '.', so never '..', a path, or a hidden file.
+FILE_NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}"
+ARTIFACT_ID_PATTERN = r"ka-[0-9a-f]{32}"
+_FILE_NAME_RE = re.compile(FILE_NAME_PATTERN)
+_ARTIFACT_ID_RE = re.compile(ARTIFACT_ID_PATTERN)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(KilnError):
     """manifest.json is missing, unreadable, of an unknown schema version, or inconsistent."""
+
+
+class UnsafeArtifactPathError(ManifestError):
+    """A file name from a manifest would resolve outside its artifact (traversal or symlink)."""
+
+
+def check_file_name(name: str) -> str:
+    """`name` if it is a plain artifact file name (see FILE_NAME_PATTERN); else ValueError."""
+    if not _FILE_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"file name {name[:80]!r} is not a plain file name of the artifact (one path component of "
+            "letters, digits, '_', '-', '.', not starting with '.'); the manifest was tampered with"
+        )
+    return name
+
+
+def is_artifact_id(value: str) -> bool:
+    return bool(_ARTIFACT_ID_RE.fullmatch(value))
+
+
+def artifact_file(artifact_dir: Path, name: str) -> Path:
+    """The path of artifact file `name` inside `artifact_dir`, refusing names that are not plain file
+    names and symlinks that lead out of the artifact (a path may not exist yet: pulls create it)."""
+    try:
+        check_file_name(name)
+    except ValueError as e:
+        raise UnsafeArtifactPathError(f"{artifact_dir}: {e}") from e
+    path = artifact_dir / name
+    root = os.path.realpath(artifact_dir)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise UnsafeArtifactPathError(
+            f"{path} is a symlink leading out of the artifact directory; refusing to follow it "
+            "(delete the artifact from the cache and pull it again)"
+        )
+    return path
 
 
 class _Model(BaseModel):
@@ -83,10 +127,22 @@ class LayerEntry(_Model):
 
 
 class FileEntry(_Model):
-    name: str  # relative path inside the artifact
-    size: int
+    name: str  # a plain file name inside the artifact directory (FILE_NAME_PATTERN)
+    size: int = Field(ge=0)
     sha256: str
-    rank: int | None = None  # None: needed by every rank (config, tokenizer)
+    rank: int | None = Field(default=None, ge=0)  # None: needed by every rank (config, tokenizer)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return check_file_name(v)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, v: str) -> str:
+        if not _SHA256_RE.fullmatch(v):
+            raise ValueError(f"sha256 {v[:80]!r} is not 64 lowercase hex digits")
+        return v
 
 
 class Verification(_Model):
@@ -104,7 +160,7 @@ class Manifest(_Model):
     created_at: str  # ISO 8601 UTC
     source: SourceInfo
     target: str  # kernels.base.Target value
-    tp: int
+    tp: int = Field(ge=1)
     method: str  # auto | fp8
     options: dict[str, Any] = Field(default_factory=dict)  # e.g. {"fp8_scheme": "tensor"}
     architecture: str  # e.g. LlamaForCausalLM
@@ -114,6 +170,25 @@ class Manifest(_Model):
     other_tensors: list[str]  # non-linear tensor names (embeddings, norms)
     files: list[FileEntry]
     verification: Verification
+
+    @field_validator("artifact_id")
+    @classmethod
+    def _artifact_id_form(cls, v: str) -> str:
+        if not is_artifact_id(v):
+            raise ValueError(f"artifact_id {v[:80]!r} is not of the form ka-<32 hex digits>")
+        return v
+
+    @model_validator(mode="after")
+    def _files_consistent(self) -> Manifest:
+        names = [f.name for f in self.files]
+        if MANIFEST_NAME in names:
+            raise ValueError(f"files lists {MANIFEST_NAME} itself")
+        if len(set(names)) != len(names):
+            raise ValueError("files lists a file name twice")
+        bad = [f.name for f in self.files if f.rank is not None and f.rank >= self.tp]
+        if bad:
+            raise ValueError(f"file {bad[0]} belongs to rank >= tp={self.tp}")
+        return self
 
     def rank_files(self, rank: int) -> list[FileEntry]:
         return [f for f in self.files if f.rank == rank]

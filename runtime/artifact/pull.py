@@ -15,6 +15,10 @@
 5. manifest.json is written last, so its presence marks the artifact as complete for this rank.
 
 A local directory URI is verified in place (sizes and sha256) and returned as is: no copy.
+
+File names come from the manifest, which `Manifest.parse` restricts to plain names of the artifact's
+own files; every join below goes through `artifact_file`, which checks the name again and refuses a
+symlink that leads out of the artifact. The URI's last component must be the manifest's artifact id.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from kernels.errors import KilnError
-from runtime.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, sha256_file
+from runtime.artifact.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    artifact_file,
+    is_artifact_id,
+    sha256_file,
+)
 from runtime.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -68,19 +80,51 @@ def _is_published(path: Path, entry: FileEntry) -> bool:
     return path.is_file() and path.stat().st_size == entry.size
 
 
-def verify_local(artifact_dir: Path, rank: int | None = None) -> Manifest:
-    """Check every needed file of a local artifact against the manifest (size and sha256)."""
-    manifest = Manifest.load(artifact_dir)
-    for entry in needed_files(manifest, rank):
-        path = artifact_dir / entry.name
+def check_sizes(artifact_dir: Path, entries: list[FileEntry]) -> None:
+    """Every file present with its manifest size (cheap: no reads)."""
+    for entry in entries:
+        path = artifact_file(artifact_dir, entry.name)
         if not path.is_file():
             raise PullError(f"{path} is missing (the manifest lists it)")
         size = path.stat().st_size
         if size != entry.size:
             raise PullError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
+
+
+def verify_local(
+    artifact_dir: Path,
+    rank: int | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    workers: int = WORKERS,
+) -> Manifest:
+    """Check every needed file of a local artifact against the manifest: sizes, then the sha256 of
+    every file, hashed in parallel (hashlib releases the GIL); `progress` sees the bytes hashed."""
+    manifest = Manifest.load(artifact_dir)
+    entries = needed_files(manifest, rank)
+    check_sizes(artifact_dir, entries)
+    total = sum(e.size for e in entries)
+    done = 0
+    lock = threading.Lock()
+
+    def hash_one(entry: FileEntry) -> None:
+        nonlocal done
+        path = artifact_file(artifact_dir, entry.name)
         actual = sha256_file(path)
         if actual != entry.sha256:
-            raise PullError(f"{path}: sha256 mismatch: expected {entry.sha256}, got {actual} (file altered)")
+            raise PullError(
+                f"{path}: sha256 mismatch: expected {entry.sha256}, got {actual} (file altered or "
+                "corrupted; pull or convert the artifact again)"
+            )
+        with lock:
+            done += entry.size
+            event = PullProgress(entry.name, done, total, 0)
+        if progress is not None:
+            progress(event)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-verify") as pool:
+        for fut in [pool.submit(hash_one, e) for e in entries]:
+            fut.result()
     return manifest
 
 
@@ -101,7 +145,7 @@ def pull(
             raise PullError(
                 f"{uri}: no such directory (artifact URIs are s3://bucket/prefix/<id> or a local dir)"
             )
-        verify_local(path, rank)
+        verify_local(path, rank, progress, workers=workers)
         return path
     return _S3Pull(
         uri, Path(cache_dir), rank, progress, settings or get_settings(), chunk_size, workers
@@ -131,6 +175,11 @@ class _S3Pull:
             raise PullError(f"{uri}: expected s3://bucket/prefix/<artifact_id>")
         self.uri, self.bucket, self.prefix = uri, bucket, prefix
         self.artifact_id = prefix.rsplit("/", 1)[-1]
+        if not is_artifact_id(self.artifact_id) or ".." in prefix.split("/"):
+            raise PullError(
+                f"{uri}: expected s3://bucket/prefix/<artifact_id> ending in an artifact id "
+                "(ka-<32 hex digits>), without '..' segments"
+            )
         self.dest = cache_dir / self.artifact_id
         self.rank = rank
         self.progress = progress
@@ -178,7 +227,7 @@ class _S3Pull:
         except ManifestError:
             return False
         entries = needed_files(manifest, self.rank)
-        if not all(_is_published(self.dest / e.name, e) for e in entries):
+        if not all(_is_published(artifact_file(self.dest, e.name), e) for e in entries):
             return False
         if self.progress is not None:
             total = sum(e.size for e in entries)
@@ -199,6 +248,12 @@ class _S3Pull:
                 f"{self.uri}: cannot read {MANIFEST_NAME} ({e}); is this a committed artifact?"
             ) from e
         manifest = Manifest.parse(raw, f"{self.uri}/{MANIFEST_NAME}")
+        if manifest.artifact_id != self.artifact_id:
+            raise PullError(
+                f"{self.uri}: its manifest describes artifact {manifest.artifact_id}, not "
+                f"{self.artifact_id}; artifacts are stored under their own id — pull "
+                f"s3://{self.bucket}/.../{manifest.artifact_id} or re-upload it under that id"
+            )
         entries = needed_files(manifest, self.rank)
         created = not self.dest.exists()
         try:
@@ -208,7 +263,7 @@ class _S3Pull:
         self._total = sum(e.size for e in entries)
         todo = []
         for entry in entries:
-            if _is_published(self.dest / entry.name, entry):
+            if _is_published(artifact_file(self.dest, entry.name), entry):
                 self._done += entry.size
             else:
                 todo.append(entry)
@@ -238,7 +293,7 @@ class _S3Pull:
         """A local I/O fault (disk full, read-only, EIO): remove what this pull wrote, so that the
         cache holds what it held before (the files it fetched were not published before it)."""
         for entry in entries:
-            final = self.dest / entry.name
+            final = artifact_file(self.dest, entry.name)
             for path in (
                 final,
                 final.with_name(final.name + PART_SUFFIX),
@@ -320,8 +375,7 @@ class _PartFile:
 
     def __init__(self, dest: Path, entry: FileEntry, chunk_size: int) -> None:
         self.entry = entry
-        self.final = dest / entry.name
-        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.final = artifact_file(dest, entry.name)
         self.part = self.final.with_name(self.final.name + PART_SUFFIX)
         self.record = self.final.with_name(self.final.name + PROGRESS_SUFFIX)
         self.chunk_size = chunk_size
@@ -342,10 +396,13 @@ class _PartFile:
                 "%s: resuming, %d of %d ranges already present", entry.name, len(self.done), self.num_chunks
             )
         else:
-            with self.part.open("wb") as f:
-                f.truncate(entry.size)
+            fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            try:
+                os.ftruncate(fd, entry.size)
+            finally:
+                os.close(fd)
             self._save()
-        self._fd = os.open(self.part, os.O_WRONLY)
+        self._fd = os.open(self.part, os.O_WRONLY | os.O_NOFOLLOW)  # never write through a symlink
 
     def _read_record(self) -> dict[str, Any] | None:
         try:

@@ -15,9 +15,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry, Gauge
 
+from runtime.body_limit import BodySizeLimit
 from runtime.settings import Settings, get_settings
 from services.api.errors import install_handlers
-from services.api.middleware import BodySizeLimit, RequestMetrics
+from services.api.middleware import RequestMetrics
 from services.api.routes import artifacts, conversions, health
 from services.worker.dispatch import CeleryDispatcher, Dispatcher
 
@@ -55,7 +56,8 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.state.settings = settings
     app.state.registry = registry = CollectorRegistry()
     app.state.jobs_gauge = Gauge("kiln_jobs", "Conversion jobs by status", ["status"], registry=registry)
-    app.state.health_pool = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix="kiln-health")
+    # One thread per /health check (db, broker, store) plus the optional token check.
+    app.state.health_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-health")
     app.include_router(conversions.router)
     app.include_router(artifacts.router)
     app.include_router(health.router)

@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from runtime.settings import Settings
-from services.api.errors import forbidden, unauthorized
+from services.api.errors import forbidden, store_unavailable, unauthorized
 from services.db import repo
 from services.db.models import ApiToken
 from services.db.session import session_factory
@@ -53,7 +53,10 @@ DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
 def get_store(request: Request, settings: SettingsDep) -> ArtifactStore:
     store = getattr(request.app.state, "store", None)
     if store is None:
-        store = request.app.state.store = open_store(settings.resolved_store_url, settings)
+        try:
+            store = request.app.state.store = open_store(settings.resolved_store_url, settings)
+        except OSError as e:  # a local store directory that cannot be created
+            raise store_unavailable("open it") from e
     return store
 
 

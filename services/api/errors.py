@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +35,35 @@ def conflict(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_409_CONFLICT, detail)
 
 
+STORE_RETRY_AFTER_S = 10
+
+
+def store_unavailable(action: str) -> HTTPException:
+    """503 for an artifact store that cannot be reached; the cause is logged, not shown."""
+    return HTTPException(
+        status.HTTP_503_SERVICE_UNAVAILABLE,
+        f"the artifact store is unavailable, so the API cannot {action}; try again later",
+        headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+    )
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def json_safe(value: object) -> object:
+    """`value` (already JSON-encodable) made strictly JSON-compliant for echoing request data back:
+    NaN/Infinity become the strings "NaN"/"Infinity"/"-Infinity", lone surrogates become U+FFFD."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, str):
+        return _SURROGATES.sub("\ufffd", value)
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    return value
+
+
 def invalid_field(field: str, detail: str) -> RequestValidationError:
     """A 422 in FastAPI's field-level shape, for checks the schema cannot express."""
     return RequestValidationError(
@@ -58,7 +89,7 @@ def allowed_methods(app: FastAPI, path: str) -> set[str]:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(IdempotencyConflict)
     async def _idempotency(_: Request, exc: IdempotencyConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_409_CONFLICT)
+        return JSONResponse({"detail": json_safe(str(exc))}, status_code=status.HTTP_409_CONFLICT)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -70,9 +101,19 @@ def install_handlers(app: FastAPI) -> None:
         headers = {"Allow": ", ".join(sorted(methods))} if methods else None
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each error's `input`, and JSON cannot carry NaN, Infinity
+        # or a lone surrogate: encoding them failed with a 500 and a dropped connection.
+        return JSONResponse(
+            {"detail": json_safe(jsonable_encoder(exc.errors()))},
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        )
+
     @app.exception_handler(KilnError)
     async def _kiln(_: Request, exc: KilnError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        body = {"detail": json_safe(str(exc))}
+        return JSONResponse(body, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
 # Responses every authenticated route may give, for the OpenAPI document.

@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
 
 from kernels.base import Target
 
@@ -15,21 +15,77 @@ assert set(TargetName.__args__) == {t.value for t in Target}  # type: ignore[att
 
 KernelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,64}$")]
 # s3://bucket[/prefix] or an absolute path; no whitespace or control characters anywhere.
-SOURCE_PATTERN = r"^(?:s3://[A-Za-z0-9._-]+(?:/[^\x00-\x20\x7f]*)?|/[^\x00-\x20\x7f]*)$"
-_SOURCE_RE = re.compile(SOURCE_PATTERN)
+_SOURCE_FORM_RE = re.compile(
+    r"^(?:s3://[A-Za-z0-9][A-Za-z0-9._-]*(?:/[^\x00-\x20\x7f]*)?|/[^\x00-\x20\x7f]*)$"
+)
+# ... and no '.', '..' or empty path segments (what the OpenAPI document states, without lookarounds).
+_CHAR = r"[^/\x00-\x20\x7f]"
+_NOT_DOT = r"[^./\x00-\x20\x7f]"
+_SEGMENT = rf"(?:{_NOT_DOT}{_CHAR}*|\.{_NOT_DOT}{_CHAR}*|\.\.{_CHAR}+)"
+SOURCE_PATTERN = rf"^(?:s3://[A-Za-z0-9][A-Za-z0-9._-]*(?:/{_SEGMENT})*/?|(?:/{_SEGMENT})+/?|/)$"
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+# Free-text query filters: no control characters (PostgreSQL text cannot even hold NUL).
+PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # job and artifact ids
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
-class ConversionOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def refuse_surrogates(value: object, where: str = "the value") -> None:
+    """Raise ValueError when a string (or a string in a list) holds a lone UTF-16 surrogate (JSON
+    `"\\ud800"`): it is not text, and neither the database nor the response encoder can store it."""
+    if isinstance(value, str) and _SURROGATE_RE.search(value):
+        raise ValueError(
+            f"{where} contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode "
+            "text; send valid UTF-8"
+        )
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            refuse_surrogates(item, f"item {i}")
 
+
+class StrictRequest(BaseModel):
+    """A request body: unknown fields refused, no type coercion (`tp: "2"` or `true` is a 422),
+    no lone surrogates in any string (a 422 naming the field, before any other check)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_text(cls, value: object) -> object:
+        refuse_surrogates(value)
+        return value
+
+
+def _check_segments(source: str) -> None:
+    """No '.', '..' or empty segments: a source names its location directly, and an S3 key with
+    '..' would mean different objects to different S3 implementations."""
+    path = source.removeprefix("s3://") if source.startswith("s3://") else source[1:]
+    trailing = path.endswith("/")  # one trailing slash is allowed ("s3://bucket/prefix/")
+    path = path.removesuffix("/")
+    segments = path.split("/") if path or trailing else []
+    if any(seg in ("", ".", "..") for seg in segments):
+        raise ValueError(
+            "must not contain '.', '..' or empty ('//') path segments; "
+            "name the location directly, e.g. s3://bucket/models/llama or /data/models/llama"
+        )
+
+
+def _json_integer(value: object) -> object:
+    """JSON Schema's `integer` includes 7.0; booleans and strings stay refused (strict mode)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+class ConversionOptions(StrictRequest):
     fp8_scheme: Literal["tensor", "channel", "block"] = "tensor"
     disabled_kernels: list[KernelName] = Field(default_factory=list, max_length=32)
 
 
-class ConversionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ConversionCreate(StrictRequest):
     source: str = Field(
         min_length=1,
         max_length=2048,
@@ -40,17 +96,18 @@ class ConversionCreate(BaseModel):
     )
     targets: list[TargetName] = Field(min_length=1, max_length=6, examples=[["cpu", "sm80"]])
     method: Literal["auto", "fp8"] = "auto"
-    tp: int = Field(default=1, ge=1, le=64)
+    tp: JsonInt = Field(default=1, ge=1, le=64)
     options: ConversionOptions = Field(default_factory=ConversionOptions)
 
     @field_validator("source")
     @classmethod
     def _source_form(cls, v: str) -> str:
-        if not _SOURCE_RE.fullmatch(v):
+        if not _SOURCE_FORM_RE.fullmatch(v):
             raise ValueError(
                 "must be s3://bucket/prefix or an absolute server path, "
                 "without whitespace or control characters"
             )
+        _check_segments(v)
         return v
 
     @field_validator("targets")

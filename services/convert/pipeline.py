@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.base import DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target, check_stored
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.dense import DenseKernel
+from kernels.errors import LayoutError
 from runtime.artifact.manifest import (
     FileEntry,
     LayerEntry,
@@ -41,12 +42,13 @@ from runtime.artifact.manifest import (
     artifact_id,
     source_digest,
 )
+from runtime.model_layout import shard_rows
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import Cancelled, VerificationError
 from services.convert.formats.base import CheckpointFormat
 from services.convert.plan import Plan, PlannedLayer
 from services.convert.safetensors_io import StreamingSafetensorsWriter
-from services.convert.tp import column_range, fuse, slice_cols, slice_rows
+from services.convert.tp import fuse, slice_cols, slice_rows
 from services.convert.verify import compare, compare_dense_stored
 from services.storage.base import ArtifactStore, ArtifactWriter
 from services.storage.errors import ArtifactExistsError
@@ -108,7 +110,7 @@ def _rank_weight(plan: Plan, pl: PlannedLayer, shards: list[SourceWeight], rank:
         if layout.row_parallel:
             parts.append(slice_cols(w, rank, plan.tp, shard.module))
         else:
-            parts.append(slice_rows(w, column_range(shard, layout, plan.dims, rank, plan.tp), shard.module))
+            parts.append(slice_rows(w, shard_rows(shard, layout, plan.model, rank, plan.tp), shard.module))
     return fuse(parts, [s.module for s in layout.shards])
 
 
@@ -162,6 +164,13 @@ def convert_layer(
             )
             weight.bias = reference.bias
         prepared = _prepare(pl.kernel, weight, spec, plan.target)
+        try:
+            check_stored(pl.kernel.name, spec, pl.kernel.stored_tensors(spec, plan.target), prepared)
+        except LayoutError as e:
+            raise VerificationError(
+                f"{e}: kernel {pl.kernel.name}'s prepare does not write the tensors it declares (a kernel "
+                "bug — disable the kernel with KILN_DISABLED_KERNELS and report it)"
+            ) from e
         if _stores_dense_weight(pl.kernel) and isinstance(reference, DenseWeight) and not pl.online_fp8:
             check = compare_dense_stored(prepared["weight"], reference)
         else:
@@ -331,7 +340,7 @@ def convert_plan(
             tp=plan.tp,
             method=plan.method,
             options=plan.options,
-            architecture=plan.dims.architecture,
+            architecture=plan.model.architecture,
             act_dtype=plan.act_dtype,
             hf_config=ckpt.config,
             layers=entries,

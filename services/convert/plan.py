@@ -14,11 +14,10 @@ from typing import Any, Literal
 from kernels.base import LinearKernel, LinearSpec, ShardSpec, Target
 from kernels.errors import NoKernelError, UnsupportedError
 from kernels.registry import candidates, choose_kernel
+from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
-from services.convert.model_layout import LinearLayout, ModelDims, linear_layouts
-from services.convert.tp import column_range
 
 Method = Literal["auto", "fp8"]
 Fp8Scheme = Literal["tensor", "channel", "block"]
@@ -86,7 +85,7 @@ class Plan:
     method: str
     fp8_scheme: str
     act_dtype: str
-    dims: ModelDims
+    model: ModelConfig
     layers: list[PlannedLayer]
     other_tensors: list[str]
     notes: list[str] = field(default_factory=list)
@@ -124,7 +123,7 @@ class Plan:
             "method": self.method,
             "options": self.options,
             "act_dtype": self.act_dtype,
-            "architecture": self.dims.architecture,
+            "architecture": self.model.architecture,
             "notes": self.notes,
             "layers": [r.to_json() for r in self.rows],
             "other_tensors": self.other_tensors,
@@ -132,10 +131,10 @@ class Plan:
         }
 
 
-def act_dtype_for(dims: ModelDims, target: Target) -> str:
+def act_dtype_for(model: ModelConfig, target: Target) -> str:
     if target is Target.SM75:
         return "float16"
-    dtype = _FLOAT_ACT.get(dims.torch_dtype.removeprefix("torch."))
+    dtype = _FLOAT_ACT.get(model.torch_dtype.removeprefix("torch."))
     if dtype:
         return dtype
     return "float32" if target is Target.CPU else "bfloat16"
@@ -165,20 +164,12 @@ def _target_quant(quant: LayerQuant, layout: LinearLayout, method: str, fp8_sche
 
 
 def rank_specs(
-    layout: LinearLayout, q: LayerQuant, dims: ModelDims, tp: int, act_dtype: str, has_bias: bool
+    layout: LinearLayout, q: LayerQuant, model: ModelConfig, tp: int, act_dtype: str, has_bias: bool
 ) -> list[LinearSpec]:
     specs = []
     for rank in range(tp):
-        if layout.row_parallel:
-            if layout.k % tp:
-                raise UnsupportedError(
-                    f"{layout.name}: K={layout.k} input features cannot be split over tp={tp}"
-                )
-            shard_sizes = [s.size for s in layout.shards]
-            k = layout.k // tp
-        else:
-            shard_sizes = [column_range(s, layout, dims, rank, tp).size for s in layout.shards]
-            k = layout.k
+        shape = rank_shape(layout, model, rank, tp)
+        shard_sizes, k = shape.shard_sizes, shape.k
         specs.append(
             LinearSpec(
                 name=layout.name,
@@ -264,18 +255,18 @@ def build_plan(
             f"--method fp8 quantizes an unquantized (bf16/fp16/fp32) checkpoint online, but {ckpt.uri} is "
             f"already quantized ({fmt.describe()}); use --method auto to keep its quantization"
         )
-    dims = ModelDims.from_config(ckpt.config)
-    act_dtype = act_dtype_for(dims, target)
+    model = ModelConfig.from_hf(ckpt.config)
+    act_dtype = act_dtype_for(model, target)
     has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
     layers: list[PlannedLayer] = []
     consumed: set[str] = set()
-    for layout in linear_layouts(dims, has_lm_head):
+    for layout in linear_layouts(model, has_lm_head):
         quant = _agree(fmt, layout)
         tq = _target_quant(quant, layout, method, fp8_scheme)
         sources = [t for s in layout.shards for t in fmt.source_tensors(s.module, quant)]
         consumed.update(sources)
         has_bias = all(ckpt.has(f"{s.module}.bias") for s in layout.shards)
-        specs = rank_specs(layout, tq, dims, tp, act_dtype, has_bias)
+        specs = rank_specs(layout, tq, model, tp, act_dtype, has_bias)
         _check_fp8_blocks(layout, specs[0], tp)
         kernel, rejected, fallback = choose(specs[0], target, disabled_kernels)
         for spec in specs[1:]:
@@ -308,7 +299,7 @@ def build_plan(
         )
     if tp > 1:
         notes.append("embeddings, norms and lm_head are replicated on every rank (vocabulary not sharded)")
-    if dims.tie_word_embeddings and not has_lm_head:
+    if model.tie_word_embeddings and not has_lm_head:
         notes.append("tied embeddings: lm_head reuses model.embed_tokens.weight")
     return Plan(
         source=ckpt.uri,
@@ -319,7 +310,7 @@ def build_plan(
         method=method,
         fp8_scheme=fp8_scheme,
         act_dtype=act_dtype,
-        dims=dims,
+        model=model,
         layers=layers,
         other_tensors=others,
         notes=notes,

@@ -11,41 +11,12 @@ marlin_repeat_scales_on_all_ranks. lm_head, embeddings and norms are replicated 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
 from kernels.errors import UnsupportedError
+from runtime.model_layout import RowRange
 from services.convert.errors import ConversionError
-from services.convert.model_layout import LinearLayout, ModelDims, ShardLayout
-
-
-@dataclass(frozen=True)
-class RowRange:
-    start: int
-    size: int
-
-
-def column_range(shard: ShardLayout, layout: LinearLayout, dims: ModelDims, rank: int, tp: int) -> RowRange:
-    """Rows of one shard that rank `rank` holds."""
-    if tp == 1 or layout.decoder_layer is None:
-        return RowRange(0, shard.size)
-    if shard.heads:
-        head = dims.head_dim
-        heads = shard.heads
-        if heads >= tp:
-            if heads % tp:
-                raise UnsupportedError(f"{shard.module}: {heads} heads cannot be split over tp={tp}")
-            per = heads // tp
-            return RowRange(rank * per * head, per * head)
-        if tp % heads:
-            raise UnsupportedError(f"{shard.module}: {heads} KV heads cannot be replicated over tp={tp}")
-        return RowRange((rank // (tp // heads)) * head, head)
-    if shard.size % tp:
-        raise UnsupportedError(f"{shard.module}: {shard.size} output features cannot be split over tp={tp}")
-    per = shard.size // tp
-    return RowRange(rank * per, per)
 
 
 def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:

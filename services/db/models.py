@@ -2,8 +2,9 @@
 
 The job row is the source of truth for a conversion: the broker only carries its id. `task_id` names
 the one broker message allowed to run the job (a redelivery keeps it; the reconciler replaces it),
-`attempts` counts task starts, `dedupe_key` (unique, set while a job is live or succeeded) makes
-identical concurrent submissions share one job.
+`attempts` counts task starts, `dedupe_key` (unique, set while a job is live or succeeded; a hash
+of the owning token and the request digest, see `repo.owner_dedupe_key`) makes one token's identical
+concurrent submissions share one job. A job belongs to `token_id`: other non-admin tokens never see it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
         Index("uq_jobs_token_idempotency_key", "token_id", "idempotency_key", unique=True),
+        Index("ix_jobs_token_id", "token_id", "id"),  # a token's own jobs, newest first
     )
 
 

@@ -61,6 +61,42 @@ def count_tokens(session: Session) -> int:
     return len(session.scalars(select(ApiToken.id).where(ApiToken.revoked_at.is_(None))).all())
 
 
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+class UnknownToken(KilnError):
+    """No API token has the id or name given."""
+
+
+@dataclass(frozen=True)
+class Revocation:
+    revoked: list[ApiToken]  # revoked by this call
+    already: list[ApiToken]  # matched, but revoked before
+
+
+def revoke_tokens(session: Session, id_or_name: str) -> Revocation:
+    """Revoke the token with this id (all digits) or every active token with this name.
+
+    Revoking is idempotent: a token revoked before is reported, not an error."""
+    if id_or_name.isdigit():
+        matched = session.scalars(select(ApiToken).where(ApiToken.id == int(id_or_name))).all()
+    else:
+        matched = session.scalars(select(ApiToken).where(ApiToken.name == id_or_name)).all()
+    if not matched:
+        raise UnknownToken(
+            f"no API token with {'id' if id_or_name.isdigit() else 'name'} {id_or_name!r}; "
+            "`kiln admin list-tokens` shows them"
+        )
+    already = [t for t in matched if t.revoked_at is not None]
+    revoked = [t for t in matched if t.revoked_at is None]
+    now = utcnow()
+    for token in revoked:
+        token.revoked_at = now
+    session.flush()
+    return Revocation(revoked, already)
+
+
 # --- jobs -------------------------------------------------------------------------------------
 
 
@@ -72,6 +108,13 @@ def new_job_id() -> str:
 def request_digest(source: str, targets: list[str], method: str, tp: int, options: dict[str, Any]) -> str:
     key = {"source": source, "targets": sorted(set(targets)), "method": method, "tp": tp, "options": options}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def owner_dedupe_key(token_id: int | None, digest: str) -> str:
+    """The unique key that makes identical live requests share a job, scoped to their owner: two
+    tokens submitting the same request get a job each (they may still share the artifact)."""
+    owner = "-" if token_id is None else str(token_id)
+    return hashlib.sha256(f"{owner}:{digest}".encode()).hexdigest()
 
 
 def model_name(source: str) -> str:
@@ -94,7 +137,7 @@ def _existing(session: Session, digest: str, idem_key: str | None, token_id: int
                     "use a new key for a new request"
                 )
             return job
-    return session.scalar(select(Job).where(Job.dedupe_key == digest))
+    return session.scalar(select(Job).where(Job.dedupe_key == owner_dedupe_key(token_id, digest)))
 
 
 def submit_job(
@@ -111,8 +154,9 @@ def submit_job(
 ) -> Submission:
     """Create a queued job, or return the one this request already maps to.
 
-    Same Idempotency-Key (per token) -> same job. An identical request while a job for it is queued,
-    running or succeeded -> that job (the unique `dedupe_key` settles concurrent races).
+    Same Idempotency-Key (per token) -> same job. An identical request from the same token while a
+    job for it is queued, running or succeeded -> that job (the unique `dedupe_key` settles
+    concurrent races). Another token's identical request gets its own job.
     """
     digest = request_digest(source, targets, method, tp, options)
     found = _existing(session, digest, idempotency_key, token_id)
@@ -126,7 +170,7 @@ def submit_job(
         tp=tp,
         options=options,
         request_digest=digest,
-        dedupe_key=digest,
+        dedupe_key=owner_dedupe_key(token_id, digest),
         idempotency_key=idempotency_key,
         token_id=token_id,
         max_attempts=max_attempts,
@@ -153,16 +197,37 @@ def get_job(session: Session, job_id: str) -> Job | None:
     return session.get(Job, job_id)
 
 
+@dataclass(frozen=True)
+class Viewer:
+    """Who is asking: an admin sees every job, any other token only the jobs it submitted."""
+
+    token_id: int
+    is_admin: bool
+
+    def sees(self, job: Job) -> bool:
+        return self.is_admin or job.token_id == self.token_id
+
+
+def get_job_for(session: Session, job_id: str, viewer: Viewer) -> Job | None:
+    """The job, or None when it does not exist or belongs to another token (indistinguishable)."""
+    job = session.get(Job, job_id)
+    return job if job is not None and viewer.sees(job) else None
+
+
 def list_jobs(
     session: Session,
     *,
     limit: int,
+    viewer: Viewer | None = None,
     cursor: str | None = None,
     status: str | None = None,
     source: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first; `cursor` is the last id of the previous page."""
+    """Newest first; `cursor` is the last id of the previous page. A non-admin `viewer` sees only
+    its own jobs; no viewer means every job (internal callers)."""
     q = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if viewer is not None and not viewer.is_admin:
+        q = q.where(Job.token_id == viewer.token_id)
     if cursor:
         q = q.where(Job.id < cursor)
     if status:
@@ -175,10 +240,13 @@ def list_jobs(
     return rows, (rows[-1].id if more and rows else None)
 
 
-def request_cancel(session: Session, job_id: str) -> Job | None:
-    """Queued jobs are cancelled at once; running ones stop at the next layer boundary."""
+def request_cancel(session: Session, job_id: str, viewer: Viewer | None = None) -> Job | None:
+    """Queued jobs are cancelled at once; running ones stop at the next layer boundary. None when
+    the job does not exist or another token owns it (a non-admin `viewer` cancels only its own)."""
     job = session.get(Job, job_id, with_for_update=True)
-    if job is None or job.status in TERMINAL_STATUSES:
+    if job is None or (viewer is not None and not viewer.sees(job)):
+        return None
+    if job.status in TERMINAL_STATUSES:
         return job
     job.cancel_requested = True
     if job.status == "queued":

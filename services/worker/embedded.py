@@ -14,6 +14,7 @@ from runtime.settings import Settings
 from services.db import repo
 from services.db.session import session_scope
 from services.jobs import TransientJobError, retry_delay, run_job
+from services.redact import redact_text
 
 log = logging.getLogger(__name__)
 _STOP = "__stop__"
@@ -71,7 +72,8 @@ class EmbeddedWorker:
             except TransientJobError as e:
                 attempt = self._attempts(job_id)
                 delay = retry_delay(attempt, self.settings)
-                log.warning("job %s: transient error, retrying in %.0f s: %s", job_id, delay, e)
+                reason = redact_text(str(e))
+                log.warning("job %s: transient error, retrying in %.0f s: %s", job_id, delay, reason)
                 if not self._closed.is_set():
                     timer = threading.Timer(delay, self._queue.put, args=(job_id,))
                     timer.daemon = True

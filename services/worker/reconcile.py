@@ -18,6 +18,7 @@ from runtime.settings import Settings
 from services.db import repo
 from services.db.models import utcnow
 from services.db.session import session_scope
+from services.redact import redact_text
 
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"
@@ -104,4 +105,4 @@ def reconcile_forever(settings: Settings, stop: threading.Event) -> None:
             try:
                 step(settings)
             except Exception as e:
-                log.warning("reconciler pass failed (%s): %s", step.__name__, e)
+                log.warning("reconciler pass failed (%s): %s", step.__name__, redact_text(str(e)))

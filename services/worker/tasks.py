@@ -9,6 +9,7 @@ from celery.worker.request import Request
 
 from runtime.settings import get_settings
 from services.jobs import TransientJobError, record_time_limit_kill, retry_delay, run_job
+from services.redact import redact_text
 from services.worker.app import TASK_NAME, app
 
 log = logging.getLogger(__name__)
@@ -42,5 +43,5 @@ def convert_job(self: Task, job_id: str) -> str:
     except TransientJobError as e:
         # Same task id on the retry, so the job's claim check still matches; attempts are bounded in SQL.
         delay = retry_delay(int(self.request.retries) + 1, settings)
-        log.warning("job %s: transient error, retrying in %.0f s: %s", job_id, delay, e)
+        log.warning("job %s: transient error, retrying in %.0f s: %s", job_id, delay, redact_text(str(e)))
         raise self.retry(countdown=delay, exc=e) from e

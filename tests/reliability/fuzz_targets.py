@@ -271,6 +271,46 @@ MANIFEST_KEYS = (
 )  # fmt: skip
 
 
+# File names that lead outside an artifact directory (or are not plain names): Manifest.parse must
+# refuse every one; an accepted one counts as a failure of the fuzz run, like a crash.
+HOSTILE_NAME_PARTS = (
+    "..",
+    ".",
+    "",
+    "/",
+    "\\",
+    "\0",
+    "etc",
+    "passwd",
+    "rank0.safetensors",
+    "~",
+    "%2e%2e",
+    " ",
+)
+
+
+def hostile_file_name(rnd: random.Random) -> str:
+    if rnd.random() < 0.3:
+        return rnd.choice(("../../escaped.txt", "/etc/passwd", "..", ".", "a/b", "a\\b", "x\0y", ".hidden"))
+    parts = [rnd.choice(HOSTILE_NAME_PARTS) for _ in range(rnd.randrange(1, 5))]
+    return rnd.choice(("/", "", "./", "../")) + rnd.choice(("/", "\\", "")).join(parts)
+
+
+def is_plain_file_name(name: str) -> bool:
+    """An independent statement of the rule (not the validator's regex): one path component that is
+    not '.', '..', hidden, empty or carrying separators / NUL."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+class UnsafeNameAccepted(AssertionError):
+    """Manifest.parse accepted a file name that is not a plain name inside the artifact."""
+
+
 class ManifestTarget:
     def __init__(self, manifest_bytes: bytes) -> None:
         self.valid = manifest_bytes
@@ -279,6 +319,10 @@ class ManifestTarget:
 
     def generate(self, rnd: random.Random) -> bytes:
         r = rnd.random()
+        if r < 0.2:
+            doc = copy.deepcopy(self.doc)
+            rnd.choice(doc["files"])["name"] = hostile_file_name(rnd)
+            return json.dumps(doc).encode()
         if r < 0.6:
             return json.dumps(mutate_json(self.doc, rnd, keys=MANIFEST_KEYS, rounds=4)).encode()
         if r < 0.9:
@@ -294,6 +338,9 @@ class ManifestTarget:
         m.to_json_bytes()
         for entry in m.layers.values():
             entry.linear_spec()  # Manifest.parse has checked every spec
+        unsafe = [f.name for f in m.files if not is_plain_file_name(f.name)]
+        if unsafe:
+            raise UnsafeNameAccepted(f"Manifest.parse accepted file name {unsafe[0]!r}")
         return True
 
 

@@ -111,3 +111,22 @@ def test_fuzz_targets_accept_their_valid_inputs(
         "gptq", "awq", "fp8", "compressed-tensors", "dense",
     }  # fmt: skip
     assert Manifest.parse(manifest_target.valid).layers
+
+
+def test_the_manifest_fuzzer_counts_an_accepted_traversal_name_as_a_failure(
+    manifest_target: ManifestTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Manifest.parse's file-name rule switched off, the fuzzer's own check reports the hostile
+    names it generates: an accepted `../../x` fails the run even though nothing raised."""
+    import runtime.artifact.manifest as manifest_module
+    from tests.reliability.fuzz_targets import UnsafeNameAccepted
+
+    monkeypatch.setattr(manifest_module, "check_file_name", lambda name: name)
+    rnd = random.Random(7)
+    failures = 0
+    for _ in range(200):
+        try:
+            manifest_target.run(manifest_target.generate(rnd))
+        except UnsafeNameAccepted:
+            failures += 1
+    assert failures > 0

@@ -1,9 +1,10 @@
 """Writes small, real Kiln artifacts for runtime tests without the converter.
 
 A tiny random Hugging Face model (transformers' own classes, so it doubles as the reference) is
-split per TP rank (Megatron: q/k/v and gate/up rows column-parallel, o/down columns row-parallel),
-prepared by the `dense` kernel, and written as rank{r}.safetensors + config/tokenizer files +
-manifest.json (last), following runtime/artifact/manifest.py.
+split per TP rank by the runtime's own layout rules (runtime/model_layout.py: q/k/v and gate/up rows
+column-parallel, o/down columns row-parallel), prepared by the `dense` kernel, and written as
+rank{r}.safetensors + config/tokenizer files + manifest.json (last), following
+runtime/artifact/manifest.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from kernels.base import DenseWeight, LinearSpec, ShardSpec
+from kernels.base import DenseWeight, LinearSpec, ShardSpec, Target
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import (
     MANIFEST_NAME,
@@ -33,6 +34,7 @@ from runtime.artifact.manifest import (
     sha256_file,
     source_digest,
 )
+from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -132,28 +134,22 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> PreTr
     return model.eval()
 
 
-def _spec(
-    name: str,
-    n: int,
-    k: int,
-    k_full: int,
-    *,
-    row_parallel: bool,
-    bias: bool,
-    shards: tuple[ShardSpec, ...] = (),
-) -> LinearSpec:
-    return LinearSpec(
-        name=name,
-        scheme="dense",
-        n=n,
-        k=k,
-        k_full=k_full,
-        bits=32,
-        row_parallel=row_parallel,
-        has_bias=bias,
-        act_dtype="float32",
-        shards=shards,
-    )
+def _rank_weight(
+    sd: dict[str, torch.Tensor], layout: LinearLayout, cfg: ModelConfig, rank: int, tp: int, suffix: str
+) -> torch.Tensor | None:
+    """This rank's slice of a (fused) layer's weight or bias, following runtime.model_layout."""
+    parts = []
+    for shard in layout.shards:
+        t = sd.get(f"{shard.module}.{suffix}")
+        if t is None:
+            return None
+        if layout.row_parallel and tp > 1:
+            per = layout.k // tp
+            parts.append(t[:, rank * per : (rank + 1) * per] if suffix == "weight" else t)
+        else:
+            r = shard_rows(shard, layout, cfg, rank, tp)
+            parts.append(t[r.start : r.start + r.size])
+    return torch.cat(parts)
 
 
 def write_artifact(
@@ -167,98 +163,43 @@ def write_artifact(
     """Write `model` as an artifact under out_root/<artifact_id>/ and return that directory."""
     cfg = model.config
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    hq, hkv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
-    inter = cfg.intermediate_size // tp
+    if lm_head_layer and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    layout_cfg = ModelConfig.from_hf({**cfg.to_dict(), "architectures": [type(model).__name__]})
     dense = get_kernel("dense")
     layers: dict[str, LayerEntry] = {}
     rank_tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-
-    def add_layer(
-        name: str, per_rank: list[tuple[torch.Tensor, torch.Tensor | None]], spec: LinearSpec
-    ) -> None:
-        tensors_names: list[str] = []
-        for r, (w, b) in enumerate(per_rank):
-            prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=b), spec)
-            tensors_names = sorted(prepared)
-            for suffix, t in prepared.items():
-                rank_tensors[r][f"{name}.{suffix}"] = t.contiguous().clone()
-        layers[name] = LayerEntry(
-            kernel=dense.name, layout_version=dense.layout_version, spec=spec.to_json(), tensors=tensors_names
+    for layout in linear_layouts(layout_cfg, lm_head_layer):
+        shape = rank_shape(layout, layout_cfg, 0, tp)
+        has_bias = all(f"{s.module}.bias" in sd for s in layout.shards)
+        spec = LinearSpec(
+            name=layout.name,
+            scheme="dense",
+            n=shape.n,
+            k=shape.k,
+            k_full=layout.k,
+            bits=32,
+            row_parallel=layout.row_parallel and tp > 1,
+            has_bias=has_bias,
+            act_dtype="float32",
+            shards=tuple(
+                ShardSpec(s.module, size) for s, size in zip(layout.shards, shape.shard_sizes, strict=True)
+            )
+            if layout.fused
+            else (),
         )
-
-    def rows(t: torch.Tensor, r: int, size: int) -> torch.Tensor:
-        return t[r * size : (r + 1) * size]
-
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        q, k, v = (sd[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")
-        has_qkv_bias = f"{p}.self_attn.q_proj.bias" in sd
-        qkv_shards = (
-            ShardSpec(f"{p}.self_attn.q_proj", hq * hd),
-            ShardSpec(f"{p}.self_attn.k_proj", hkv * hd),
-            ShardSpec(f"{p}.self_attn.v_proj", hkv * hd),
-        )
-        per_rank = []
         for r in range(tp):
-            w = torch.cat([rows(q, r, hq * hd), rows(k, r, hkv * hd), rows(v, r, hkv * hd)])
-            b = None
-            if has_qkv_bias:
-                qb, kb, vb = (sd[f"{p}.self_attn.{x}_proj.bias"] for x in "qkv")
-                b = torch.cat([rows(qb, r, hq * hd), rows(kb, r, hkv * hd), rows(vb, r, hkv * hd)])
-            per_rank.append((w, b))
-        add_layer(
-            f"{p}.self_attn.qkv_proj",
-            per_rank,
-            _spec(
-                f"{p}.self_attn.qkv_proj",
-                (hq + 2 * hkv) * hd,
-                cfg.hidden_size,
-                cfg.hidden_size,
-                row_parallel=False,
-                bias=has_qkv_bias,
-                shards=qkv_shards,
-            ),
-        )
-        o = sd[f"{p}.self_attn.o_proj.weight"]
-        add_layer(
-            f"{p}.self_attn.o_proj",
-            [(o[:, r * hq * hd : (r + 1) * hq * hd], None) for r in range(tp)],
-            _spec(
-                f"{p}.self_attn.o_proj",
-                cfg.hidden_size,
-                hq * hd,
-                cfg.num_attention_heads * hd,
-                row_parallel=True,
-                bias=False,
-            ),
-        )
-        gate, up = sd[f"{p}.mlp.gate_proj.weight"], sd[f"{p}.mlp.up_proj.weight"]
-        add_layer(
-            f"{p}.mlp.gate_up_proj",
-            [(torch.cat([rows(gate, r, inter), rows(up, r, inter)]), None) for r in range(tp)],
-            _spec(
-                f"{p}.mlp.gate_up_proj",
-                2 * inter,
-                cfg.hidden_size,
-                cfg.hidden_size,
-                row_parallel=False,
-                bias=False,
-                shards=(ShardSpec(f"{p}.mlp.gate_proj", inter), ShardSpec(f"{p}.mlp.up_proj", inter)),
-            ),
-        )
-        down = sd[f"{p}.mlp.down_proj.weight"]
-        add_layer(
-            f"{p}.mlp.down_proj",
-            [(down[:, r * inter : (r + 1) * inter], None) for r in range(tp)],
-            _spec(
-                f"{p}.mlp.down_proj",
-                cfg.hidden_size,
-                inter,
-                cfg.intermediate_size,
-                row_parallel=True,
-                bias=False,
-            ),
+            w = _rank_weight(sd, layout, layout_cfg, r, tp, "weight")
+            assert w is not None, layout.name
+            bias = _rank_weight(sd, layout, layout_cfg, r, tp, "bias") if has_bias else None
+            prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=bias), spec)
+            for suffix, t in prepared.items():
+                rank_tensors[r][f"{layout.name}.{suffix}"] = t.contiguous().clone()
+        layers[layout.name] = LayerEntry(
+            kernel=dense.name,
+            layout_version=dense.layout_version,
+            spec=spec.to_json(),
+            tensors=sorted(dense.stored_tensors(spec, Target(target))),
         )
 
     other = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -267,17 +208,7 @@ def write_artifact(
         for i in range(cfg.num_hidden_layers)
         for n in ("input_layernorm", "post_attention_layernorm")
     ]
-    tied = bool(cfg.tie_word_embeddings)
-    if lm_head_layer:
-        head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        add_layer(
-            "lm_head",
-            [(head, None)] * tp,
-            _spec(
-                "lm_head", cfg.vocab_size, cfg.hidden_size, cfg.hidden_size, row_parallel=False, bias=False
-            ),
-        )
-    elif not tied:
+    if not lm_head_layer and not cfg.tie_word_embeddings:
         other.append("lm_head.weight")
     for r in range(tp):
         for name in other:

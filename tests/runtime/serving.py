@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +55,18 @@ class RunningServer:
 
 @contextmanager
 def serve_artifact(
-    artifact: Path, *, max_num_seqs: int = 8, max_model_len: int = 512
+    artifact: Path,
+    *,
+    max_num_seqs: int = 8,
+    max_model_len: int = 512,
+    tokenizer: Callable[[Any], Any] | None = None,
 ) -> Iterator[RunningServer]:
+    """Serve `artifact` on a loopback port; `tokenizer` may wrap the artifact's tokenizer."""
     loaded = load_model(artifact)
     engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, MODEL_NAME, loaded.tokenizer, root=str(artifact))
+    tok = loaded.tokenizer if tokenizer is None else tokenizer(loaded.tokenizer)
+    app = build_app(async_engine, MODEL_NAME, tok, root=str(artifact))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

@@ -13,7 +13,8 @@ from transformers import PreTrainedModel
 from runtime.engine import Engine
 from runtime.kv_cache import KVCache
 from runtime.loader import LoadedModel, load_model
-from runtime.model import ModelConfig, rope_inv_freq, top_k_indices
+from runtime.model import rope_inv_freq, top_k_indices
+from runtime.model_layout import ModelConfig
 from runtime.sampling import SamplingParams
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 

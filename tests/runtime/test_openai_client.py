@@ -156,8 +156,7 @@ def test_kiln_serve_command(artifact: Path) -> None:
         "127.0.0.1",
         "--port",
         str(port),
-        "--served-model-name",
-        "smol",
+        "--verify",
         "--max-num-seqs",
         "2",
         "--max-model-len",
@@ -174,10 +173,12 @@ def test_kiln_serve_command(artifact: Path) -> None:
             out = proc.stdout.read().decode() if proc.stdout else ""
             raise AssertionError(f"kiln serve did not start:\n{out[-4000:]}") from None
         models = httpx.get(f"{base}/v1/models").json()
-        assert models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 128
+        # The default name and `root` are the artifact id, never the server's filesystem path.
+        assert models["data"][0]["id"] == artifact.name and models["data"][0]["max_model_len"] == 128
+        assert models["data"][0]["root"] == artifact.name
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         reply = c.chat.completions.create(
-            model="smol",
+            model=artifact.name,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=4,
             extra_body={"ignore_eos": True},

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.timeout(120)
 # summation order, so prompt logprobs agree to float32 rounding.
 LOGPROB_ATOL = 1e-4
 MAX_MODEL_LEN = 256
+# While a multi-megabyte prompt is tokenized (SLOW_TOKENIZATION_S), /health must still answer within
+# HEALTH_DURING_TOKENIZATION_MAX_S (it waited for the whole tokenization when that ran on the loop).
+SLOW_TOKENIZATION_S = 3.0
+HEALTH_DURING_TOKENIZATION_MAX_S = 1.0
 ERROR_KEYS = {"message", "type", "param", "code"}
 METRIC_NAMES = (
     "vllm:time_to_first_token_seconds",
@@ -461,3 +465,121 @@ def test_tokenize_detokenize_and_tokenizer_info(client: httpx.Client, server: Ru
     assert chat["tokens"] == apply_chat_template(tok, messages)
     r = client.post("/detokenize", json={"tokens": [10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+# --- request data that must give a 4xx, never a 500 (issue: 5xx from request data) --------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": True}, "seed"),
+        ("/v1/completions", {"prompt": "\ud800 hi"}, None),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, None),
+        ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]}, None),
+        ("/tokenize", {"prompt": "\ud800"}, None),
+        ("/v1/completions", {"prompt": [True]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, False]]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids.0"),
+        ("/detokenize", {"tokens": [True]}, "tokens.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),
+    ],
+)
+def test_hostile_request_data_gets_a_400(
+    client: httpx.Client, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    # json.dumps escapes a lone surrogate as \ud800, which is what a hostile client sends.
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param.split(".")[0]), err
+    if "\\u" in json.dumps(body) and "\\ud" in json.dumps(body):
+        assert "surrogate" in err["message"]
+    assert client.get("/health").status_code == 200  # the keep-alive connection still works
+
+
+def test_non_finite_floats_get_a_400(client: httpx.Client) -> None:
+    for raw in (b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}'):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+    assert client.get("/health").status_code == 200
+
+
+def test_oversized_bodies_get_a_413_before_they_are_read(client: httpx.Client) -> None:
+    from runtime.settings import get_settings
+
+    limit = get_settings().serve_max_request_bytes
+    big = json.dumps({"prompt": "x" * (limit + 16)}).encode()
+    r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while the body streams
+        yield b'{"prompt": "'
+        for _ in range(limit // (1 << 20) + 1):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    assert client.get("/health").status_code == 200
+
+
+class SlowTokenizer:
+    """The artifact's tokenizer, taking `delay_s` longer on every prompt over 1 MB: a stand-in for the
+    seconds a real BPE tokenizer spends on a multi-megabyte prompt."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def __call__(self, text: str, **kw: Any) -> Any:
+        if len(text) > 1 << 20:
+            time.sleep(self._delay_s)
+        return self._inner(text, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop(artifact: Path) -> None:
+    """Tokenization runs in a worker thread: /health keeps answering while a huge prompt is tokenized.
+    (The prompt is then refused for its length; the point is that the loop stays free meanwhile.)"""
+    import threading
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 50_000  # ≈2.2 MB
+    slow = SLOW_TOKENIZATION_S
+    with serve_artifact(
+        artifact, max_model_len=MAX_MODEL_LEN, tokenizer=lambda t: SlowTokenizer(t, slow)
+    ) as srv:
+        done = threading.Event()
+        status: list[int] = []
+
+        def post() -> None:
+            with httpx.Client(base_url=srv.base_url, timeout=120.0) as c:
+                status.append(c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code)
+            done.set()
+
+        worker = threading.Thread(target=post)
+        worker.start()
+        latencies = []
+        with httpx.Client(base_url=srv.base_url, timeout=30.0) as c:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+        worker.join()
+    assert status == [400]  # longer than the context
+    assert len(latencies) >= 3, latencies
+    assert max(latencies) < HEALTH_DURING_TOKENIZATION_MAX_S, latencies

@@ -6,13 +6,17 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import Connection, create_engine, insert, inspect, text
 
-from services.db import migrate
+from runtime.settings import Settings
+from services.db import migrate, repo
 from services.db.models import Base
+from services.db.session import dispose_engines, session_scope
 from tests.services.conftest import PG_ADMIN_URL, REPO
 
 EXPECTED_TABLES = {"jobs", "artifacts", "artifact_files", "api_tokens"}
@@ -86,3 +90,87 @@ def test_kiln_db_commands(tmp_path: Path) -> None:
     assert f"current: {migrate.head()}" in kiln("db", "current")
     kiln("db", "downgrade", "base")
     assert "current: None" in kiln("db", "current")
+
+
+def _digest(source: str) -> str:
+    return repo.request_digest(source, ["cpu"], "auto", 1, {})
+
+
+def _insert_job(conn: Connection, job_id: str, token_id: int | None, source: str, live: bool) -> None:
+    now, digest = datetime.now(UTC), _digest(source)
+    conn.execute(
+        insert(Base.metadata.tables["jobs"]).values(
+            id=job_id, status="queued" if live else "failed", stage="queued", progress=0, message="",
+            attempts=0, max_attempts=3, cancel_requested=False, source=source, targets=["cpu"],
+            method="auto", tp=1, options={}, request_digest=digest, dedupe_key=digest if live else None,
+            token_id=token_id, artifact_ids=[], created_at=now, updated_at=now,
+        )
+    )  # fmt: skip
+
+
+def _dedupe_keys(url: str) -> dict[str, str | None]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as c:
+            return {row.id: row.dedupe_key for row in c.execute(text("SELECT id, dedupe_key FROM jobs"))}
+    finally:
+        engine.dispose()
+
+
+def test_0002_scopes_existing_dedupe_keys_to_their_owner(empty_db: str) -> None:
+    """Rows written under 0001 (dedupe key = bare request digest) keep deduplicating for their own
+    token after the upgrade, and no longer capture another token's identical request; downgrade
+    restores the bare digest, keeping it on the oldest job where several owners now hold one."""
+    shared, other = "s3://b/shared", "s3://b/other"
+    migrate.upgrade(empty_db, "0001")
+    engine = create_engine(empty_db)
+    with engine.begin() as c:
+        for name in ("alice", "bob"):
+            c.execute(
+                insert(Base.metadata.tables["api_tokens"]).values(
+                    name=name, token_hash=name * 8, is_admin=False, created_at=datetime.now(UTC)
+                )
+            )
+        _insert_job(c, "job-1", 1, shared, live=True)  # alice's live job
+        _insert_job(c, "job-2", None, other, live=True)  # a job submitted without a token
+        _insert_job(c, "job-3", 2, shared, live=False)  # bob's failed attempt: no key
+    engine.dispose()
+
+    migrate.upgrade(empty_db)
+    assert _dedupe_keys(empty_db) == {
+        "job-1": repo.owner_dedupe_key(1, _digest(shared)),
+        "job-2": repo.owner_dedupe_key(None, _digest(other)),
+        "job-3": None,
+    }
+    settings = Settings(_env_file=None, database_url=empty_db)  # type: ignore[call-arg]
+    with session_scope(settings) as s:
+        submit = partial(
+            repo.submit_job, s, source=shared, targets=["cpu"], method="auto", tp=1, options={},
+            idempotency_key=None, max_attempts=3,
+        )  # fmt: skip
+        assert submit(token_id=1).job.id == "job-1"
+        bobs = submit(token_id=2).job.id
+    assert bobs not in {"job-1", "job-3"}
+    dispose_engines(close=True)
+
+    migrate.downgrade(empty_db, "0001")
+    assert _dedupe_keys(empty_db) == {
+        "job-1": _digest(shared), "job-2": _digest(other), "job-3": None, bobs: None,
+    }  # fmt: skip
+    migrate.upgrade(empty_db)
+    assert _dedupe_keys(empty_db)["job-1"] == repo.owner_dedupe_key(1, _digest(shared))
+
+
+def test_the_schema_matches_the_models_indexes(empty_db: str) -> None:
+    """Alembic's autogenerate finds nothing to do at head: the migrations create what models declare."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    migrate.upgrade(empty_db)
+    engine = create_engine(empty_db)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    finally:
+        engine.dispose()
+    assert diff == []

@@ -65,8 +65,9 @@ def test_idempotency_key_is_per_token_and_bound_to_the_request(settings: Setting
     assert _submit(settings, "s3://b/x", key="k", token_id=ta) == j1
     with pytest.raises(repo.IdempotencyConflict, match="Idempotency-Key 'k'"):
         _submit(settings, "s3://b/other", key="k", token_id=ta)
-    # Another token's key space is separate (and identical requests still dedupe to one job).
-    assert _submit(settings, "s3://b/x", key="k", token_id=tb) == j1
+    # Another token's key space and jobs are separate: the same key and request make its own job.
+    jb = _submit(settings, "s3://b/x", key="k", token_id=tb)
+    assert jb != j1 and _submit(settings, "s3://b/x", token_id=tb) == jb
 
 
 def test_attempts_are_bounded_and_the_reason_says_the_worker_died(settings: Settings) -> None:

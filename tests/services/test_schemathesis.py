@@ -1,18 +1,26 @@
 """Property-based API fuzzing: schemathesis (bounded, seeded) against the served OpenAPI document.
 
 Runs the schemathesis CLI against uvicorn on loopback with a valid token and every check enabled;
-the run must find no server error (5xx) and no response that contradicts the document.
+the run must find no server error (5xx) and no response that contradicts the document. A second run
+splices what a schema cannot describe (NaN, Infinity, lone surrogates, wrong-typed scalars) into
+schema-generated bodies: each must be a 4xx with compliant JSON on a connection that stays usable.
 """
 
 from __future__ import annotations
 
+import copy
+import http.client
+import json
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from services.api.app import create_app
 from tests.services.conftest import create_token, make_settings
@@ -39,3 +47,83 @@ def test_schemathesis_finds_no_server_errors(
     report = out.stdout + out.stderr
     assert "Server error" not in report and " 500 " not in report, report[-6000:]
     assert out.returncode == 0, report[-6000:]
+
+
+# Values JSON parsers accept but JSON cannot carry back (NaN, ±Infinity, lone surrogates), and a
+# boolean (no field takes one): spliced into schema-generated request bodies in place of any value.
+POISON = ["NaN", "Infinity", "-Infinity", "1e400", '"\\ud800"', '"ok\\udfff"', '"\\ud83d"', "true"]
+SENTINEL = "__kiln_poison__"
+
+
+def _slots(value: object) -> list[tuple[dict | list, str | int]]:
+    """Every place a value sits in a JSON document (dict entries and list items), depth first."""
+    found: list[tuple[dict | list, str | int]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found.append((value, key))
+            found.extend(_slots(item))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found.append((value, i))
+            found.extend(_slots(item))
+    return found
+
+
+def poisoned(body: object, poison: str, pick: int) -> str:
+    """`body` as JSON text with one value (or a new unknown field) replaced by the raw `poison`."""
+    doc = copy.deepcopy(body) if isinstance(body, dict) else {}
+    slots = [*_slots(doc), (doc, "unknown_field")]
+    container, key = slots[pick % len(slots)]
+    container[key] = SENTINEL  # type: ignore[index]
+    return json.dumps(doc).replace(json.dumps(SENTINEL), poison)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"response carries the non-JSON constant {name}")
+
+
+def post_then_get(url: str, token: str, raw: str) -> tuple[int, bytes]:
+    """POST a raw JSON body, then GET on the same keep-alive connection, which must still serve it."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+    conn.auto_open = 0  # a connection the server dropped fails the GET instead of reopening
+    auth = {"Authorization": f"Bearer {token}"}
+    try:
+        conn.connect()
+        conn.request(
+            "POST", "/v1/conversions", body=raw.encode(), headers={**auth, "Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        status, data = r.status, r.read()
+        conn.request("GET", "/v1/conversions?limit=1", headers=auth)
+        follow_up = conn.getresponse()
+        follow_up.read()
+        assert follow_up.status == 200, f"the request after {raw!r} got {follow_up.status}"
+    finally:
+        conn.close()
+    return status, data
+
+
+def test_schemathesis_bodies_with_non_json_values_never_get_a_5xx(
+    services_env: dict[str, str], serve_app: Callable[..., str]
+) -> None:
+    """POST /v1/conversions with schema-generated bodies, one value swapped for a poison: always a
+    4xx with a strictly JSON-compliant body, and the keep-alive connection keeps working."""
+    schemathesis = pytest.importorskip("schemathesis")
+    settings = make_settings(services_env)
+    url = serve_app(create_app(settings))
+    token = create_token(settings)
+    cases = schemathesis.openapi.from_url(f"{url}/openapi.json")["/v1/conversions"]["POST"].as_strategy()
+
+    @hypothesis.settings(
+        max_examples=MAX_EXAMPLES * 4, derandomize=True, database=None, deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )  # fmt: skip
+    @hypothesis.given(case=cases, poison=st.sampled_from(POISON), pick=st.integers(min_value=0, max_value=64))
+    def post(case: object, poison: str, pick: int) -> None:
+        raw = poisoned(getattr(case, "body", None), poison, pick)
+        status, data = post_then_get(url, token, raw)
+        assert 400 <= status < 500, (raw, status, data[:500])
+        json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+
+    post()

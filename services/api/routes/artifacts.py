@@ -5,19 +5,29 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response, status
+from botocore.exceptions import BotoCoreError, ClientError
+from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from services.api import schemas
 from services.api.deps import AdminDep, SessionDep, SettingsDep, StoreDep, TokenDep
-from services.api.errors import AUTH_RESPONSES, not_found
+from services.api.errors import AUTH_RESPONSES, not_found, store_unavailable
 from services.db import repo
 from services.db.models import Artifact
+from services.redact import redact_text
 from services.storage.errors import NotFoundError
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"], responses=AUTH_RESPONSES)
 
-ArtifactId = Annotated[str, Path(max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+ArtifactId = Annotated[str, Path(max_length=128, pattern=schemas.ID_PATTERN)]
+# An unreachable, failing or refusing store (S3 connection/HTTP errors; local filesystem errors).
+STORE_FAULTS = (BotoCoreError, ClientError, OSError)
+STORE_DOWN = {503: {"model": schemas.Problem, "description": "The artifact store is unavailable"}}
+
+
+def _store_fault(artifact_id: str, action: str, e: Exception) -> HTTPException:
+    log.warning("artifact %s: store unavailable (%s: %s)", artifact_id, type(e).__name__, redact_text(str(e)))
+    return store_unavailable(action)
 
 
 def _summary(a: Artifact) -> schemas.ArtifactSummary:
@@ -43,12 +53,12 @@ def list_artifacts(
     session: SessionDep,
     settings: SettingsDep,
     _: TokenDep,
-    model: Annotated[str | None, Query(max_length=300)] = None,
-    source_digest: Annotated[str | None, Query(max_length=64)] = None,
+    model: Annotated[str | None, Query(max_length=300, pattern=schemas.PRINTABLE_PATTERN)] = None,
+    source_digest: Annotated[str | None, Query(max_length=64, pattern=r"^[0-9a-f]+$")] = None,
     target: schemas.TargetName | None = None,
     tp: Annotated[int | None, Query(ge=1, le=64)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    cursor: Annotated[str | None, Query(max_length=128)] = None,
+    cursor: Annotated[str | None, Query(max_length=128, pattern=schemas.ID_PATTERN)] = None,
 ) -> schemas.ArtifactPage:
     rows, nxt = repo.list_artifacts(
         session,
@@ -63,7 +73,9 @@ def list_artifacts(
 
 
 @router.get(
-    "/{artifact_id}", response_model=schemas.ArtifactDetail, responses={404: {"model": schemas.Problem}}
+    "/{artifact_id}",
+    response_model=schemas.ArtifactDetail,
+    responses={404: {"model": schemas.Problem}, **STORE_DOWN},
 )
 def get_artifact(
     artifact_id: ArtifactId, session: SessionDep, settings: SettingsDep, store: StoreDep, _: TokenDep
@@ -76,6 +88,8 @@ def get_artifact(
     except NotFoundError:
         log.warning("artifact %s is in SQL but not in the store", artifact_id)
         urls = {}
+    except STORE_FAULTS as e:
+        raise _store_fault(artifact_id, "sign its download URLs", e) from e
     return schemas.ArtifactDetail(
         **_summary(a).model_dump(),
         manifest=a.manifest,
@@ -88,7 +102,7 @@ def get_artifact(
 @router.delete(
     "/{artifact_id}",
     status_code=status.HTTP_204_NO_CONTENT,
-    responses={403: {"model": schemas.Problem}, 404: {"model": schemas.Problem}},
+    responses={403: {"model": schemas.Problem}, 404: {"model": schemas.Problem}, **STORE_DOWN},
 )
 def delete_artifact(artifact_id: ArtifactId, session: SessionDep, store: StoreDep, _: AdminDep) -> Response:
     """Remove an artifact from the store (manifest first) and the catalog. Admin only."""
@@ -98,6 +112,8 @@ def delete_artifact(artifact_id: ArtifactId, session: SessionDep, store: StoreDe
         store.delete(artifact_id)
     except NotFoundError:
         log.warning("artifact %s was already gone from the store", artifact_id)
+    except STORE_FAULTS as e:
+        raise _store_fault(artifact_id, "delete it", e) from e
     repo.delete_artifact(session, artifact_id)
     session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, Path, Query, Response, status
 
 from services.api import schemas
 from services.api.deps import DispatcherDep, SessionDep, SettingsDep, TokenDep
 from services.api.errors import AUTH_RESPONSES, conflict, invalid_field, not_found
 from services.db import repo
-from services.db.models import Job
+from services.db.models import ApiToken, Job
+from services.redact import redact_text
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/conversions", tags=["conversions"], responses=AUTH_RESPONSES)
@@ -27,6 +27,9 @@ IdempotencyKey = Annotated[
         description="Same key (per token) -> same job",
     ),
 ]
+
+
+JobId = Annotated[str, Path(max_length=64, pattern=schemas.ID_PATTERN)]
 
 
 def to_schema(job: Job) -> schemas.Job:
@@ -66,7 +69,7 @@ def _check_source(source: str, settings: SettingsDep) -> None:
             "source",
             f"source {source!r}: server-local paths are disabled (KILN_ALLOW_LOCAL_SOURCES); use s3://",
         )
-    if not Path(source).is_absolute():
+    if not source.startswith("/"):
         raise invalid_field("source", f"source {source!r}: a server-local path must be absolute")
 
 
@@ -85,7 +88,8 @@ def submit(
     dispatcher: DispatcherDep,
     idempotency_key: IdempotencyKey = None,
 ) -> schemas.Job:
-    """Queue a conversion; returns the job (an existing one for a repeated key or identical request)."""
+    """Queue a conversion; returns the job (the caller's existing one for a repeated Idempotency-Key
+    or an identical request while that job is live or succeeded)."""
     _check_source(body.source, settings)
     sub = repo.submit_job(
         session,
@@ -106,31 +110,42 @@ def submit(
         try:
             dispatcher.send(job.id, job.task_id)
         except Exception as e:  # the reconciler publishes it once the broker is back
-            log.warning("job %s: not published to the broker (%s); left for the reconciler", job.id, e)
+            reason = redact_text(str(e))
+            log.warning("job %s: not published to the broker (%s); left for the reconciler", job.id, reason)
     response.headers["Location"] = f"/v1/conversions/{job.id}"
     return to_schema(job)
+
+
+def viewer(token: ApiToken) -> repo.Viewer:
+    return repo.Viewer(token_id=token.id, is_admin=token.is_admin)
 
 
 @router.get("", response_model=schemas.JobPage)
 def list_conversions(
     session: SessionDep,
     settings: SettingsDep,
-    _: TokenDep,
+    token: TokenDep,
     status_: Annotated[schemas.JobStatus | None, Query(alias="status")] = None,
-    source: Annotated[str | None, Query(max_length=2048)] = None,
+    source: Annotated[str | None, Query(max_length=2048, pattern=schemas.PRINTABLE_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^job-[0-9a-f]+$")] = None,
 ) -> schemas.JobPage:
-    """Newest first; follow `next_cursor` for more."""
+    """Newest first; follow `next_cursor` for more. Lists the caller's own jobs (an admin: all jobs)."""
     rows, nxt = repo.list_jobs(
-        session, limit=min(limit, settings.api_page_size_max), cursor=cursor, status=status_, source=source
+        session,
+        limit=min(limit, settings.api_page_size_max),
+        viewer=viewer(token),
+        cursor=cursor,
+        status=status_,
+        source=source,
     )
     return schemas.JobPage(items=[to_schema(j) for j in rows], next_cursor=nxt)
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses={404: {"model": schemas.Problem}})
-def get_conversion(job_id: str, session: SessionDep, _: TokenDep) -> schemas.Job:
-    job = repo.get_job(session, job_id)
+def get_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> schemas.Job:
+    """One of the caller's jobs (an admin: any job); another token's job is 404, like a missing one."""
+    job = repo.get_job_for(session, job_id, viewer(token))
     if job is None:
         raise not_found("conversion", job_id)
     return to_schema(job)
@@ -141,9 +156,10 @@ def get_conversion(job_id: str, session: SessionDep, _: TokenDep) -> schemas.Job
     response_model=schemas.Job,
     responses={404: {"model": schemas.Problem}, 409: {"model": schemas.Problem}},
 )
-def cancel_conversion(job_id: str, session: SessionDep, _: TokenDep) -> schemas.Job:
-    """Cancel: a queued job at once, a running one at its next layer boundary."""
-    job = repo.request_cancel(session, job_id)
+def cancel_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> schemas.Job:
+    """Cancel: a queued job at once, a running one at its next layer boundary. Non-admin tokens
+    cancel only their own jobs (another token's job is 404)."""
+    job = repo.request_cancel(session, job_id, viewer(token))
     if job is None:
         raise not_found("conversion", job_id)
     if job.status in ("succeeded", "failed"):

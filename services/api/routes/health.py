@@ -1,4 +1,9 @@
-"""/health (database, broker, store; 503 naming what is down) and /metrics (Prometheus)."""
+"""/health (database, broker, store; 503 naming what is down) and /metrics (Prometheus).
+
+/health answers anyone with each component's status ("ok" / "down"); the details (why a component
+is down, the embedded worker's queue) go only to a caller with a valid token, since they name
+internal endpoints, buckets and prefixes. Credentials in them are redacted either way.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +17,32 @@ from sqlalchemy import func, select, text
 
 from services.api import schemas
 from services.api.deps import SettingsDep, get_store
+from services.db import repo
 from services.db.models import Job
 from services.db.session import session_scope
+from services.redact import redact_text
 
 router = APIRouter(tags=["operations"])
 CHECK_TIMEOUT_S = 3.0
 PROBE_ID = "kiln-health-probe"
 
 
+def _presented_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+def _summary(detail: str) -> str:
+    return "down" if detail.startswith("down") else "ok"
+
+
 @router.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
 def health(request: Request, settings: SettingsDep) -> JSONResponse:
+    """Component status for anyone; with a valid bearer token, also why a component is down."""
+    presented = _presented_token(request)
+
     def db() -> str:
         with session_scope(settings) as s:
             s.execute(text("SELECT 1"))
@@ -37,18 +58,31 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
         get_store(request, settings).exists(PROBE_ID)  # one HEAD / stat: reachable and authorised
         return "ok"
 
+    def authenticated() -> bool:
+        if presented is None:
+            return False
+        with session_scope(settings) as s:
+            return repo.find_token(s, presented) is not None
+
     checks: dict[str, Callable[[], str]] = {"db": db, "broker": broker, "store": store}
     results: dict[str, str] = {}
     pool = request.app.state.health_pool
     futures = {name: pool.submit(fn) for name, fn in checks.items()}
+    auth = pool.submit(authenticated)
     for name, fut in futures.items():
         try:
-            results[name] = fut.result(timeout=CHECK_TIMEOUT_S)
+            results[name] = redact_text(fut.result(timeout=CHECK_TIMEOUT_S))
         except cf.TimeoutError:
             results[name] = f"down: no answer within {CHECK_TIMEOUT_S:.0f} s"
         except Exception as e:
-            results[name] = f"down: {type(e).__name__}: {e}"[:300]
+            results[name] = redact_text(f"down: {type(e).__name__}: {e}")[:300]
     ok = all(not v.startswith("down") for v in results.values())
+    try:
+        detailed = auth.result(timeout=CHECK_TIMEOUT_S)
+    except Exception:  # the database is down or slow: nobody can be authenticated
+        detailed = False
+    if not detailed:
+        results = {name: _summary(detail) for name, detail in results.items()}
     body = schemas.Health(status="ok" if ok else "unavailable", checks=results)
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 

@@ -13,6 +13,7 @@ import torch
 from kernels.base import SourceWeight
 from kernels.codecs.awq import decode_awq
 from kernels.errors import UnsupportedError
+from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError, QuantConfigError
 from services.convert.formats.base import (
@@ -23,7 +24,6 @@ from services.convert.formats.base import (
     cfg_int,
     cfg_list,
 )
-from services.convert.model_layout import LinearLayout
 
 
 class AwqFormat(CheckpointFormat):

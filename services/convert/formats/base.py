@@ -19,8 +19,8 @@ from kernels.errors import KilnError, LayoutError
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 
 if TYPE_CHECKING:
+    from runtime.model_layout import LinearLayout
     from services.convert.checkpoint import Checkpoint
-    from services.convert.model_layout import LinearLayout
 
 Scheme = Literal["int", "fp8", "dense"]
 

@@ -19,6 +19,7 @@ import torch
 from kernels.base import Fp8Weight, SourceWeight
 from kernels.codecs.compressed_tensors import decode_int_quantized, decode_pack_quantized
 from kernels.errors import UnsupportedError
+from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError, QuantConfigError
 from services.convert.formats.base import (
@@ -32,7 +33,6 @@ from services.convert.formats.base import (
     cfg_regex,
 )
 from services.convert.formats.gptq import with_explicit_g_idx
-from services.convert.model_layout import LinearLayout
 
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"

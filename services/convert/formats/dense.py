@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
-from services.convert.model_layout import LinearLayout
 
 
 class DenseFormat(CheckpointFormat):

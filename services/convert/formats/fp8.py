@@ -15,6 +15,7 @@ import torch
 
 from kernels.base import Fp8Weight, SourceWeight
 from kernels.errors import UnsupportedError
+from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError, QuantConfigError
 from services.convert.formats.base import (
@@ -24,7 +25,6 @@ from services.convert.formats.base import (
     LayerQuant,
     cfg_list,
 )
-from services.convert.model_layout import LinearLayout
 
 
 def _positive_int(v: object) -> bool:

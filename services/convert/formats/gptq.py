@@ -17,6 +17,7 @@ import torch
 from kernels.base import IntWeight, SourceWeight
 from kernels.codecs.gptq import decode_gptq, qzeros_look_v2_symmetric
 from kernels.errors import LayoutError, UnsupportedError
+from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 from services.convert.formats.base import (
@@ -28,7 +29,6 @@ from services.convert.formats.base import (
     cfg_list,
     cfg_regex,
 )
-from services.convert.model_layout import LinearLayout
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")

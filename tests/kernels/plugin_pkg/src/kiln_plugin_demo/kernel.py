@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target
 from kernels.errors import LayoutError
 
 
@@ -22,6 +22,9 @@ class DemoFp32IntKernel(LinearKernel):
         if target is not Target.CPU or spec.scheme != "int":
             return False, "demo_fp32_int takes int layers on cpu only"
         return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        return {"weight_fp32": StoredTensor((spec.n, spec.k), torch.float32)}
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):

@@ -1,0 +1,74 @@
+"""`kiln admin create-token / list-tokens / revoke-token`, as an operator runs them, and the
+repository rule underneath on PostgreSQL and SQLite: a revoked token authenticates nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.settings import Settings
+from services.db import migrate, repo
+from services.db.session import session_scope
+from tests.services.conftest import REPO
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'kiln.db'}"
+        migrate.upgrade(url)
+    else:
+        url = request.getfixturevalue("clean_db")
+    return Settings(_env_file=None, database_url=url)  # type: ignore[call-arg]
+
+
+def test_revoke_by_id_or_name_is_idempotent_and_refuses_unknown(settings: Settings) -> None:
+    with session_scope(settings) as s:
+        plain_a, a = repo.create_token(s, "ci")
+        plain_b, _ = repo.create_token(s, "ci")
+        plain_c, c = repo.create_token(s, "laptop")
+        a_id, c_id = a.id, c.id
+    with session_scope(settings) as s:
+        assert [t.id for t in repo.revoke_tokens(s, str(c_id)).revoked] == [c_id]
+    with session_scope(settings) as s:
+        result = repo.revoke_tokens(s, "ci")  # every token of that name
+        assert len(result.revoked) == 2 and result.already == []
+    with session_scope(settings) as s:
+        again = repo.revoke_tokens(s, str(a_id))
+        assert again.revoked == [] and [t.id for t in again.already] == [a_id]
+        for plain in (plain_a, plain_b, plain_c):
+            assert repo.find_token(s, plain) is None
+        with pytest.raises(repo.UnknownToken, match="no API token with id '9999'"):
+            repo.revoke_tokens(s, "9999")
+        with pytest.raises(repo.UnknownToken, match="no API token with name 'nobody'"):
+            repo.revoke_tokens(s, "nobody")
+
+
+def test_kiln_admin_revoke_token(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    env = {"KILN_DATABASE_URL": url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+
+    def kiln(*args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == rc, out.stdout + out.stderr
+        return out
+
+    kiln("db", "upgrade")
+    created = kiln("admin", "create-token", "--name", "alice")
+    plain = created.stdout.strip()
+    assert plain.startswith(repo.TOKEN_PREFIX) and "created token 1 ('alice')" in created.stderr
+    assert "1\talice\tuser" in kiln("admin", "list-tokens").stdout
+
+    assert kiln("admin", "revoke-token", "alice").stdout.strip() == "revoked token 1 ('alice')"
+    with session_scope(Settings(_env_file=None, database_url=url)) as s:  # type: ignore[call-arg]
+        assert repo.find_token(s, plain) is None  # the API now answers 401 for it
+    assert "already revoked" in kiln("admin", "revoke-token", "1").stdout
+    assert "revoked 20" in kiln("admin", "list-tokens").stdout  # revoked <timestamp>
+
+    unknown = kiln("admin", "revoke-token", "bob", rc=1)
+    assert "no API token with name 'bob'" in unknown.stderr and "Traceback" not in unknown.stderr
