@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec
+from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, Target
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
 from kernels.cpu_int8 import CpuInt8Kernel
@@ -70,12 +70,12 @@ def layers(n: int, k: int) -> dict[str, tuple[object, dict[str, torch.Tensor], L
         group_size=GROUP,
     )
     spec4 = LinearSpec(name="bench", scheme="int", n=n, k=k, bits=4, group_size=GROUP)
-    out["cpu_int4 sym g64"] = (CpuInt4Kernel(), CpuInt4Kernel().prepare(int4, spec4), spec4)
+    out["cpu_int4 sym g64"] = (CpuInt4Kernel(), CpuInt4Kernel().prepare(int4, spec4, Target.CPU), spec4)
     int4a = IntWeight(
         int4.codes, int4.scales, 4, GROUP, zeros=torch.randint(0, 16, (g, n), generator=gen).byte()
     )
     spec4a = LinearSpec(name="bench", scheme="int", n=n, k=k, bits=4, group_size=GROUP, symmetric=False)
-    out["cpu_int4 asym g64"] = (CpuInt4Kernel(), CpuInt4Kernel().prepare(int4a, spec4a), spec4a)
+    out["cpu_int4 asym g64"] = (CpuInt4Kernel(), CpuInt4Kernel().prepare(int4a, spec4a, Target.CPU), spec4a)
 
     int8 = IntWeight(
         codes=torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8),
@@ -84,17 +84,17 @@ def layers(n: int, k: int) -> dict[str, tuple[object, dict[str, torch.Tensor], L
         group_size=-1,
     )
     spec8 = LinearSpec(name="bench", scheme="int", n=n, k=k, bits=8)
-    out["cpu_int8 channel"] = (CpuInt8Kernel(), CpuInt8Kernel().prepare(int8, spec8), spec8)
+    out["cpu_int8 channel"] = (CpuInt8Kernel(), CpuInt8Kernel().prepare(int8, spec8, Target.CPU), spec8)
 
     scale = w.abs().amax(1) / 448.0
     fp8 = Fp8Weight((w / scale[:, None]).to(torch.float8_e4m3fn), scale, "channel")
     spec_f8 = LinearSpec(name="bench", scheme="fp8", n=n, k=k, bits=8, fp8_strategy="channel")
-    out["cpu_fp8 channel"] = (CpuFp8Kernel(), CpuFp8Kernel().prepare(fp8, spec_f8), spec_f8)
+    out["cpu_fp8 channel"] = (CpuFp8Kernel(), CpuFp8Kernel().prepare(fp8, spec_f8, Target.CPU), spec_f8)
 
     spec_d = LinearSpec(name="bench", scheme="dense", n=n, k=k)
 
     dense_w = DenseWeight(w.to(torch.bfloat16))
-    out["dense (fp32 on cpu)"] = (DenseKernel(), DenseKernel().prepare(dense_w, spec_d, target="cpu"), spec_d)
+    out["dense (fp32 on cpu)"] = (DenseKernel(), DenseKernel().prepare(dense_w, spec_d, Target.CPU), spec_d)
     return out
 
 

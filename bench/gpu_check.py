@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.base import Fp8Weight, IntWeight, LinearSpec  # noqa: E402
+from kernels.base import Fp8Weight, IntWeight, LinearSpec, Target  # noqa: E402
 from kernels.codecs.fp8 import quantize_fp8  # noqa: E402
 from kernels.registry import get_kernel  # noqa: E402
 
@@ -140,6 +140,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     dev = torch.device("cuda")
     cap = torch.cuda.get_device_capability()
     target_cc = cap[0] * 10 + cap[1]
+    target = max((t for t in Target if t.is_gpu and t.capability <= target_cc), key=lambda t: t.capability)
     print(f"device: {torch.cuda.get_device_name()} (sm{target_cc}), torch {torch.__version__}", flush=True)
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
@@ -168,7 +169,7 @@ def run_gpu(args: argparse.Namespace) -> int:
             kern = get_kernel(v.kernel)
             spec = v.spec(n, k)
             t0 = time.perf_counter()
-            tensors_cpu = kern.prepare(make_weight(v, n, k, dense), spec)
+            tensors_cpu = kern.prepare(make_weight(v, n, k, dense), spec, target)
             prep_s = time.perf_counter() - t0
             tensors = {name: t.to(dev) for name, t in tensors_cpu.items()}
             w_ref = kern.dequantize(tensors_cpu, spec).to(dev)  # (N, K) fp32

@@ -12,38 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from kernels.errors import LayoutError
-
-
-class Target(StrEnum):
-    """Where an artifact runs. GPU targets are CUDA compute capabilities."""
-
-    SM75 = "sm75"
-    SM80 = "sm80"
-    SM86 = "sm86"
-    SM89 = "sm89"
-    SM90 = "sm90"
-    CPU = "cpu"
-
-    @property
-    def is_gpu(self) -> bool:
-        return self is not Target.CPU
-
-    @property
-    def capability(self) -> int:
-        """Compute capability as an int (75, 80, ...); 0 for cpu."""
-        return 0 if self is Target.CPU else int(self.value[2:])
-
-    @property
-    def has_fp8_tensor_cores(self) -> bool:
-        return self.capability >= 89
-
+from kernels.targets import Target
 
 WeightScheme = Literal["int", "fp8", "dense"]
 Fp8Strategy = Literal["tensor", "channel", "block"]
@@ -254,25 +230,51 @@ def check_stored(
         )
 
 
+SCHEME_WORDS = {"int": "integer", "fp8": "fp8", "dense": "unquantized"}
+
+
 class LinearKernel(ABC):
     """One kernel family: it owns a weight layout (prepare / dequantize) and runs it (apply).
 
-    Subclasses set `name`, `layout_version` and `schemes`, and document their tensors with shape
-    comments. Nothing here may touch a GPU at import; Triton is imported inside `apply`.
+    A subclass declares what it is (`name`, `layout_version`, the `schemes` it takes, the `targets` it
+    runs on, the activation dtype it prefers on CPU) and implements the layout and the GEMM. Where a
+    kernel may run is stated once, in `targets`: the registry derives every target's priority list
+    from it, and `can_implement` refuses other targets with `elsewhere` as a hint. Shape and dtype
+    limits go in `supports`. Nothing here may touch a GPU at import; Triton is imported inside `apply`.
     """
 
     name: ClassVar[str]
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]]
+    targets: ClassVar[frozenset[Target]]
+    elsewhere: ClassVar[str] = ""  # where the layers it refuses run instead, for refusal messages
+    # Activation dtype its fast CPU path takes (torch's int4 / int8 ops are vectorized for bf16 only);
+    # the loader runs a CPU model in bf16 when every layer's kernel prefers it.
+    cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
+    # True when the stored "weight" is the weight itself (dequantize is `tensors["weight"].float()`):
+    # the converter then verifies the stored tensor directly.
+    stores_plain_weight: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
-    @abstractmethod
     def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         """(True, "") or (False, a reason the user can act on)."""
+        if target not in self.targets:
+            names = "/".join(sorted(t.value for t in self.targets))
+            plural = "s" if len(self.targets) > 1 else ""
+            hint = f"; {self.elsewhere}" if self.elsewhere else ""
+            return False, f"{self.name} runs on the {names} target{plural} only (got {target.value}){hint}"
+        if spec.scheme not in self.schemes:
+            kinds = " / ".join(SCHEME_WORDS.get(s, s) for s in sorted(self.schemes))
+            return False, f"{self.name} takes {kinds} weights only, not scheme {spec.scheme!r}"
+        return self.supports(spec, target)
+
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        """Shape / dtype limits of a layer of one of `schemes` on one of `targets`."""
+        return True, ""
 
     @abstractmethod
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
-        """Offline layout prep on CPU: canonical weight -> the tensors the artifact stores.
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+        """Offline layout prep on CPU: canonical weight -> the tensors the artifact stores for `target`.
 
         Keys are tensor suffixes ("qweight", "scales", ...); the converter prefixes the layer name.
         A bias, when present, is stored under "bias".
@@ -292,6 +294,14 @@ class LinearKernel(ABC):
     @abstractmethod
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Runtime: y = x @ W.T (+ bias), x of shape (..., K), y of shape (..., N) in x's dtype."""
+
+    def bind_apply(
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`apply` for one bound layer, as the runtime's hot path calls it. Kernels override it to
+        resolve tensors, shapes and options once instead of on every call."""
+        apply = self.apply
+        return lambda x: apply(x, tensors, spec)
 
     def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Pure-torch twin of `apply`: dequantize, fp32 matmul."""

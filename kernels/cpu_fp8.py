@@ -52,13 +52,11 @@ class CpuFp8Kernel(LinearKernel):
     name = "cpu_fp8"
     layout_version = 1
     schemes = frozenset({"fp8"})
+    targets = frozenset({Target.CPU})
+    cpu_act_dtype = torch.bfloat16
     description = "FP8 e4m3 widened to bf16 (exact) with fp32 per-channel post-scale; block scales: fp32"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if target is not Target.CPU:
-            return False, f"cpu_fp8 runs on the cpu target only (got {target.value})"
-        if spec.scheme != "fp8":
-            return False, f"cpu_fp8 takes fp8 weights only (layer scheme is {spec.scheme})"
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.fp8_strategy not in ("tensor", "channel", "block"):
             return False, f"unknown fp8 scale strategy {spec.fp8_strategy!r} (expected tensor/channel/block)"
         return True, ""
@@ -74,7 +72,7 @@ class CpuFp8Kernel(LinearKernel):
             }
         return with_bias(out, spec, torch.float32)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):
             raise LayoutError(
                 f"{self.name}: layer {spec.name} needs an Fp8Weight, got {type(weight).__name__}"

@@ -170,13 +170,11 @@ class CpuInt4Kernel(LinearKernel):
     name = "cpu_int4"
     layout_version = 1
     schemes = frozenset({"int"})
+    targets = frozenset({Target.CPU})
+    cpu_act_dtype = torch.bfloat16
     description = "4-bit weight-only, torch's CPU int4 pack + _weight_int4pack_mm_for_cpu (bf16 activations)"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if target is not Target.CPU:
-            return False, f"cpu_int4 runs on the cpu target only (got {target.value})"
-        if spec.scheme != "int":
-            return False, f"cpu_int4 takes integer weights only (layer scheme is {spec.scheme})"
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits != 4:
             return False, f"cpu_int4 takes 4-bit weights only (layer has {spec.bits} bits)"
         if spec.n % N_MULTIPLE:
@@ -206,7 +204,7 @@ class CpuInt4Kernel(LinearKernel):
             out["perm"] = StoredTensor((k,), torch.int32, optional=True)
         return with_bias(out, spec, torch.float32)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         w = _check_int(weight, spec, self.name)
         n, k = spec.n, spec.k
         op_group = op_group_size(k, w.group_size)

@@ -41,13 +41,11 @@ class CpuInt8Kernel(LinearKernel):
     name = "cpu_int8"
     layout_version = 1
     schemes = frozenset({"int"})
+    targets = frozenset({Target.CPU})
+    cpu_act_dtype = torch.bfloat16
     description = "8-bit symmetric channelwise weight-only, aten._weight_int8pack_mm (bf16 activations)"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if target is not Target.CPU:
-            return False, f"cpu_int8 runs on the cpu target only (got {target.value})"
-        if spec.scheme != "int":
-            return False, f"cpu_int8 takes integer weights only (layer scheme is {spec.scheme})"
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits != 8:
             return False, f"cpu_int8 takes 8-bit weights only (layer has {spec.bits} bits)"
         if not spec.symmetric:
@@ -65,7 +63,7 @@ class CpuInt8Kernel(LinearKernel):
         }
         return with_bias(out, spec, torch.float32)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):
             raise LayoutError(
                 f"{self.name}: layer {spec.name} needs an IntWeight, got {type(weight).__name__}"

@@ -13,10 +13,6 @@ The cpu target also takes "int" and "fp8" layers that no CPU quantized kernel ta
 grouped or asymmetric 8-bit, shapes the int4 pack refuses) by storing their dequantized fp32
 weight, which equals `weight.dequantize()` bit for bit.
 
-`prepare` needs to know the target for dense layers; the converter passes `target=`. Without it,
-the storage dtype follows `spec.act_dtype` (fp32 when the activations are fp32) and quantized
-layers (cpu only) are stored in fp32.
-
 Stored tensors:
     weight  (N, K) float32 (cpu) | act dtype (GPU)
     bias    (N,) same dtype as weight, optional
@@ -42,21 +38,23 @@ from kernels.errors import LayoutError
 GPU_QUANTIZED_REASON = "quantized layers on GPU use a quantized kernel; dense fallback would multiply memory"
 
 
-def storage_dtype(spec: LinearSpec, target: Target | None) -> torch.dtype:
+def storage_dtype(spec: LinearSpec, target: Target) -> torch.dtype:
+    """fp32 on cpu and for dequantized layers (cpu only); on GPU the layer's activation dtype, fp16
+    where the target has no bf16."""
     if target is Target.CPU or spec.scheme != "dense":
         return torch.float32
-    if target is Target.SM75:
-        return torch.float16
-    return spec.torch_act_dtype
+    return spec.torch_act_dtype if target.has_bf16 else torch.float16
 
 
 class DenseKernel(LinearKernel):
     name = "dense"
     layout_version = 1
     schemes = frozenset({"dense", "int", "fp8"})
+    targets = frozenset(Target)
+    stores_plain_weight = True
     description = "torch linear on the (dequantized) weight: act dtype on GPU, fp32 on cpu"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.scheme == "dense" or target is Target.CPU:
             return True, ""
         return False, GPU_QUANTIZED_REASON
@@ -65,11 +63,8 @@ class DenseKernel(LinearKernel):
         dtype = storage_dtype(spec, target)
         return with_bias({"weight": StoredTensor((spec.n, spec.k), dtype)}, spec, dtype)
 
-    def prepare(
-        self, weight: SourceWeight, spec: LinearSpec, *, target: Target | str | None = None
-    ) -> dict[str, torch.Tensor]:
-        tgt = Target(target) if target is not None else None
-        if spec.scheme != "dense" and tgt is not None and tgt.is_gpu:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+        if spec.scheme != "dense" and target.is_gpu:
             raise LayoutError(f"{self.name}: layer {spec.name}: {GPU_QUANTIZED_REASON}")
         expected = (
             DenseWeight if spec.scheme == "dense" else (IntWeight if spec.scheme == "int" else Fp8Weight)
@@ -78,7 +73,7 @@ class DenseKernel(LinearKernel):
             raise LayoutError(
                 f"{self.name}: layer {spec.name} has scheme {spec.scheme} but got {type(weight).__name__}"
             )
-        dtype = storage_dtype(spec, tgt)
+        dtype = storage_dtype(spec, target)
         w = weight.weight if isinstance(weight, DenseWeight) else weight.dequantize()
         if tuple(w.shape) != (spec.n, spec.k):
             raise LayoutError(

@@ -35,6 +35,7 @@ from kernels.marlin_layout import (
     marlin_unpermute_scales,
     marlin_unrepack,
 )
+from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
     act_dtype_reason,
@@ -50,7 +51,6 @@ from kernels.triton_utils import (
     tile_epilogue,
 )
 
-FP8_MARLIN_TARGETS = (Target.SM80, Target.SM86, Target.SM89, Target.SM90)
 EXPONENT_BIAS = {torch.float16: 8, torch.bfloat16: 120}  # 2^(e-1) - 2^3, e = exponent bits of act dtype
 
 
@@ -58,16 +58,11 @@ class Fp8MarlinKernel(LinearKernel):
     name: ClassVar[str] = "fp8_marlin"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    targets: ClassVar[frozenset[Target]] = gpu_targets(80)
+    elsewhere: ClassVar[str] = "FP8 on sm75 runs the fp8_w8a16 kernel, on cpu cpu_fp8"
     description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the FP8-Marlin layout, Triton dequant-GEMM"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if spec.scheme != "fp8":
-            return False, f"fp8_marlin runs fp8 layers, not scheme {spec.scheme!r}"
-        if target not in FP8_MARLIN_TARGETS:
-            return False, (
-                f"fp8_marlin targets sm80/sm86/sm89/sm90, not {target.value}; "
-                "FP8 on sm75 runs the fp8_w8a16 kernel"
-            )
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason
         group = _group_size(spec)
@@ -92,7 +87,7 @@ class Fp8MarlinKernel(LinearKernel):
         }
         return with_bias(out, spec, act)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):
             raise LayoutError(f"{spec.name}: fp8_marlin prepares Fp8Weight, got {type(weight).__name__}")
         n, k = spec.n, spec.k

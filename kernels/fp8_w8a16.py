@@ -26,6 +26,7 @@ import torch
 
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
+from kernels.targets import GPU_TARGETS
 from kernels.triton_utils import (
     GemmConfig,
     act_dtype_reason,
@@ -48,18 +49,16 @@ class Fp8W8A16Kernel(LinearKernel):
     name: ClassVar[str] = "fp8_w8a16"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    targets: ClassVar[frozenset[Target]] = GPU_TARGETS
+    elsewhere: ClassVar[str] = "the cpu target uses cpu_fp8"
     description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the plain layout, any N/K, Triton"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if spec.scheme != "fp8":
-            return False, f"fp8_w8a16 runs fp8 layers, not scheme {spec.scheme!r}"
-        if not target.is_gpu:
-            return False, "fp8_w8a16 is a GPU (Triton) kernel; the cpu target uses cpu_fp8"
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason
-        if target is Target.SM75 and spec.act_dtype != "float16":
+        if not target.has_bf16 and spec.act_dtype == "bfloat16":
             return False, (
-                f"sm75 has no bfloat16 tensor cores: fp8_w8a16 on sm75 needs act_dtype float16, "
+                f"{target.value} has no bfloat16 tensor cores: fp8_w8a16 there needs act_dtype float16, "
                 f"got {spec.act_dtype} (convert with --dtype float16)"
             )
         if spec.fp8_strategy == "block":
@@ -88,7 +87,7 @@ class Fp8W8A16Kernel(LinearKernel):
         }
         return with_bias(out, spec, spec.torch_act_dtype)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):
             raise LayoutError(f"{spec.name}: fp8_w8a16 prepares Fp8Weight, got {type(weight).__name__}")
         if tuple(weight.weight.shape) != (spec.n, spec.k):

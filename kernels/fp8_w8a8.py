@@ -26,6 +26,7 @@ import torch
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
+from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
     act_dtype_reason,
@@ -49,18 +50,13 @@ class Fp8W8A8Kernel(LinearKernel):
     name: ClassVar[str] = "fp8_w8a8"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
+    targets: ClassVar[frozenset[Target]] = gpu_targets(89)  # FP8 tensor cores
+    elsewhere: ClassVar[str] = "sm80/sm86 have no FP8 tensor cores and use fp8_marlin (W8A16)"
     description: ClassVar[str] = (
         "FP8 e4m3 W8A8, per-tensor/channel weight scales, dynamic per-token activations"
     )
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if spec.scheme != "fp8":
-            return False, f"fp8_w8a8 runs fp8 layers, not scheme {spec.scheme!r}"
-        if not target.has_fp8_tensor_cores:
-            return False, (
-                f"fp8_w8a8 needs FP8 tensor cores (sm89/sm90), target is {target.value}; "
-                "sm80/sm86 use fp8_marlin (W8A16)"
-            )
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.fp8_strategy not in ("tensor", "channel"):
             return False, (
                 f"fp8_w8a8 takes per-tensor or per-channel weight scales, not {spec.fp8_strategy!r}; "
@@ -80,7 +76,7 @@ class Fp8W8A8Kernel(LinearKernel):
         }
         return with_bias(out, spec, spec.torch_act_dtype)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, Fp8Weight):
             raise LayoutError(f"{spec.name}: fp8_w8a8 prepares Fp8Weight, got {type(weight).__name__}")
         if tuple(weight.weight.shape) != (spec.n, spec.k):

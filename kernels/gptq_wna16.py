@@ -24,6 +24,7 @@ import torch
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
 from kernels.errors import LayoutError
+from kernels.targets import GPU_TARGETS
 from kernels.triton_utils import (
     GemmConfig,
     act_dtype_reason,
@@ -46,13 +47,11 @@ class GptqWNA16Kernel(LinearKernel):
     name: ClassVar[str] = "gptq_wna16"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
+    targets: ClassVar[frozenset[Target]] = GPU_TARGETS
+    elsewhere: ClassVar[str] = "the cpu target uses cpu_int4 / cpu_int8"
     description: ClassVar[str] = "int2/4/8 weight-only, GPTQ-standard layout, Triton dequant-GEMM"
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if spec.scheme != "int":
-            return False, f"gptq_wna16 runs int weight-only layers, not scheme {spec.scheme!r}"
-        if not target.is_gpu:
-            return False, "gptq_wna16 is a GPU (Triton) kernel; the cpu target uses cpu_int4 / cpu_int8"
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits == 3:
             return False, (
                 "3-bit GPTQ packing (fields straddle int32 words) is not supported by gptq_wna16; "
@@ -62,9 +61,9 @@ class GptqWNA16Kernel(LinearKernel):
             return False, f"gptq_wna16 supports {SUPPORTED_BITS} bits, layer has {spec.bits}"
         if reason := act_dtype_reason(spec.act_dtype, self.name):
             return False, reason
-        if target is Target.SM75 and spec.act_dtype != "float16":
+        if not target.has_bf16 and spec.act_dtype == "bfloat16":
             return False, (
-                f"sm75 has no bfloat16 tensor cores: gptq_wna16 on sm75 needs act_dtype float16, "
+                f"{target.value} has no bfloat16 tensor cores: gptq_wna16 there needs act_dtype float16, "
                 f"got {spec.act_dtype} (convert with --dtype float16)"
             )
         pf = 32 // spec.bits
@@ -88,7 +87,7 @@ class GptqWNA16Kernel(LinearKernel):
             out["g_idx"] = StoredTensor((k,), torch.int32)
         return with_bias(out, spec, act)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):
             raise LayoutError(f"{spec.name}: gptq_wna16 prepares IntWeight, got {type(weight).__name__}")
         _check_weight(weight, spec)

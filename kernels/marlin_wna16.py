@@ -42,6 +42,7 @@ from kernels.marlin_layout import (
     marlin_zero_points,
     sort_g_idx,
 )
+from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
     act_dtype_reason,
@@ -57,25 +58,18 @@ from kernels.triton_utils import (
     tile_epilogue,
 )
 
-MARLIN_TARGETS = (Target.SM80, Target.SM86, Target.SM89, Target.SM90)
-
 
 class MarlinWNA16Kernel(LinearKernel):
     name: ClassVar[str] = "marlin_wna16"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
+    targets: ClassVar[frozenset[Target]] = gpu_targets(80)
+    elsewhere: ClassVar[str] = "sm75 uses gptq_wna16, cpu uses cpu_int4 / cpu_int8"
     description: ClassVar[str] = (
         "int4/int8 weight-only on the Marlin layout (vLLM bytes), Triton dequant-GEMM"
     )
 
-    def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if spec.scheme != "int":
-            return False, f"marlin_wna16 runs int weight-only layers, not scheme {spec.scheme!r}"
-        if target not in MARLIN_TARGETS:
-            return False, (
-                f"marlin_wna16 targets sm80/sm86/sm89/sm90, not {target.value} "
-                "(sm75 uses gptq_wna16, cpu uses cpu_int4 / cpu_int8)"
-            )
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if not spec.symmetric and spec.bits != 4:
             return False, (
                 f"Marlin takes zero points only for 4-bit weights (uint4); this layer is {spec.bits}-bit "
@@ -98,7 +92,7 @@ class MarlinWNA16Kernel(LinearKernel):
             out["perm"] = StoredTensor((k,), torch.int32)
         return with_bias(out, spec, act)
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):
             raise LayoutError(f"{spec.name}: marlin_wna16 prepares IntWeight, got {type(weight).__name__}")
         _check_weight(weight, spec)

@@ -1,13 +1,15 @@
-"""Kernel registry: an ordered priority list per target, plus third-party kernels from entry points.
+"""Kernel registry: one ordered list of the built-in kernels, plus third-party kernels from entry points.
 
-`choose_kernel(spec, target)` walks the target's list, skips disabled kernels and those whose
-`can_implement` says no, and returns the first that fits with every rejection recorded — or raises
-one `NoKernelError` naming them all (vLLM's `choose_mp_linear_kernel` idea).
+Each kernel declares the targets it runs on (`LinearKernel.targets`); a target's priority list is
+`KERNELS` in order, filtered by those declarations (`PRIORITY`). `choose_kernel(spec, target)` walks
+it, skips disabled kernels and those whose `can_implement` says no, and returns the first that fits
+with every rejection recorded — or raises one `NoKernelError` naming them all (vLLM's
+`choose_mp_linear_kernel` idea).
 
 Third-party kernels register without touching Kiln: a distribution declares
 ``[project.entry-points."kiln.kernels"] my_kernel = "my_pkg.kernel:MyKernel"`` (a `LinearKernel`
-subclass or instance); such kernels are tried ahead of the built-ins on every target and their own
-`can_implement` decides where they apply. Adding a built-in kernel = one file + one line below.
+subclass or instance); such kernels are tried ahead of the built-ins on the targets they declare.
+Adding a built-in kernel = its file + one line in `KERNELS`.
 """
 
 from __future__ import annotations
@@ -25,41 +27,44 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kiln.kernels"
 
-# name -> "module:Class" (imported lazily so importing the registry never pulls in Triton).
-BUILTIN_KERNELS: dict[str, str] = {
-    "fp8_w8a8": "kernels.fp8_w8a8:Fp8W8A8Kernel",
-    "marlin_wna16": "kernels.marlin_wna16:MarlinWNA16Kernel",
-    "fp8_marlin": "kernels.fp8_marlin:Fp8MarlinKernel",
-    "fp8_w8a16": "kernels.fp8_w8a16:Fp8W8A16Kernel",
-    "gptq_wna16": "kernels.gptq_wna16:GptqWNA16Kernel",
-    "cpu_int4": "kernels.cpu_int4:CpuInt4Kernel",
-    "cpu_int8": "kernels.cpu_int8:CpuInt8Kernel",
-    "cpu_fp8": "kernels.cpu_fp8:CpuFp8Kernel",
-    "dense": "kernels.dense:DenseKernel",
-}
-
-# Ordered by preference; each kernel's can_implement filters by scheme and shape.
-PRIORITY: dict[Target, tuple[str, ...]] = {
-    Target.SM90: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM89: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM86: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM80: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
-    Target.CPU: ("cpu_int4", "cpu_int8", "cpu_fp8", "dense"),
-}
+# Every built-in kernel ("module:Class"), most preferred first.
+KERNELS: tuple[str, ...] = (
+    "kernels.fp8_w8a8:Fp8W8A8Kernel",
+    "kernels.marlin_wna16:MarlinWNA16Kernel",
+    "kernels.gptq_wna16:GptqWNA16Kernel",
+    "kernels.fp8_marlin:Fp8MarlinKernel",
+    "kernels.fp8_w8a16:Fp8W8A16Kernel",
+    "kernels.cpu_int4:CpuInt4Kernel",
+    "kernels.cpu_int8:CpuInt8Kernel",
+    "kernels.cpu_fp8:CpuFp8Kernel",
+    "kernels.dense:DenseKernel",
+)
 
 
 def _instantiate(obj: object, where: str) -> LinearKernel:
     kernel = obj() if isinstance(obj, type) else obj
     if not isinstance(kernel, LinearKernel):
         raise KilnError(f"{where} is not a kernels.base.LinearKernel (got {type(kernel).__name__})")
+    if not isinstance(getattr(kernel, "targets", None), frozenset):
+        raise KilnError(f"{where} declares no `targets` (a frozenset of kernels.base.Target it runs on)")
     return kernel
 
 
-@cache
+def _load(path: str) -> LinearKernel:
+    module_name, _, attr = path.partition(":")
+    return _instantiate(getattr(importlib.import_module(module_name), attr), path)
+
+
+# name -> kernel, in preference order (importing a kernel module never imports Triton).
+BUILTIN_KERNELS: dict[str, LinearKernel] = {k.name: k for k in map(_load, KERNELS)}
+# target -> kernel names in preference order, derived from each kernel's declared targets.
+PRIORITY: dict[Target, tuple[str, ...]] = {
+    t: tuple(name for name, k in BUILTIN_KERNELS.items() if t in k.targets) for t in Target
+}
+
+
 def builtin_kernel(name: str) -> LinearKernel:
-    module_name, _, attr = BUILTIN_KERNELS[name].partition(":")
-    return _instantiate(getattr(importlib.import_module(module_name), attr), BUILTIN_KERNELS[name])
+    return BUILTIN_KERNELS[name]
 
 
 @cache
@@ -87,13 +92,15 @@ def get_kernel(name: str) -> LinearKernel:
 
 
 def candidates(target: Target) -> list[LinearKernel]:
-    """Third-party kernels first, then the built-in priority list for the target."""
-    return [*external_kernels(), *(builtin_kernel(n) for n in PRIORITY[target])]
+    """Third-party kernels that declare `target` first, then the built-in priority list for it."""
+    return [
+        *(k for k in external_kernels() if target in k.targets),
+        *(BUILTIN_KERNELS[n] for n in PRIORITY[target]),
+    ]
 
 
-def choose_kernel(spec: LinearSpec, target: Target | str, disabled: Iterable[str] = ()) -> KernelChoice:
+def choose_kernel(spec: LinearSpec, target: Target, disabled: Iterable[str] = ()) -> KernelChoice:
     """First kernel in the target's priority list that can implement `spec`, with every rejection."""
-    target = Target(target)
     disabled_set = set(disabled)
     rejected: list[tuple[str, str]] = []
     for kernel in candidates(target):

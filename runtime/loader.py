@@ -96,10 +96,9 @@ def map_safetensors(path: Path) -> MappedFile:
     return MappedFile(path=path, mapping=mapping, base=base, tensors=tensors)
 
 
-def check_target(target: str, device: str) -> None:
+def check_target(target: Target, device: str) -> None:
     """Refuse an artifact whose target does not fit `device` on this machine."""
-    t = Target(target)
-    if not t.is_gpu:
+    if not target.is_gpu:
         if device != "cpu":
             raise TargetMismatchError(
                 f"artifact built for cpu cannot run on {device}; "
@@ -108,14 +107,14 @@ def check_target(target: str, device: str) -> None:
         return
     if not torch.cuda.is_available():
         raise TargetMismatchError(
-            f"artifact built for {t.value}; this machine has no CUDA device — convert with --target cpu"
+            f"artifact built for {target.value}; this machine has no CUDA device — convert with --target cpu"
         )
     if device == "cpu":
-        raise TargetMismatchError(f"artifact built for {t.value} must run on a CUDA device, not cpu")
+        raise TargetMismatchError(f"artifact built for {target.value} must run on a CUDA device, not cpu")
     have = _capability()
-    if have < t.capability:
+    if have < target.capability:
         raise TargetMismatchError(
-            f"artifact built for {t.value}; this GPU is sm{have} — convert with --target sm{have}"
+            f"artifact built for {target.value}; this GPU is sm{have} — convert with --target sm{have}"
         )
 
 
@@ -126,9 +125,6 @@ def _capability() -> int:
     return major * 10 + minor
 
 
-# CPU kernels whose fast path takes bf16 activations (torch's int4 / int8 ops are only vectorized
-# for bf16; cpu_fp8 stores bf16 weights): they would round an fp32 x to bf16 on every call anyway.
-BF16_ACTIVATION_KERNELS = frozenset({"cpu_int4", "cpu_int8", "cpu_fp8"})
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -149,15 +145,16 @@ def cpu_has_native_bf16() -> bool:
 def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
     """Activation dtype (linear kernels, attention, KV cache); the residual stream stays fp32 on
     CPU (runtime/model.py). GPU: the artifact's act_dtype. CPU: bf16 when every layer's kernel
-    has a bf16 fast path, the CPU has native bf16 and the artifact was not built for fp32
-    activations; else fp32 (dense CPU layers store fp32 weights: fp32 GEMM, bf16 / fp16 -> fp32 exact)."""
+    prefers bf16 activations (`LinearKernel.cpu_act_dtype`), the CPU has native bf16 and the
+    artifact was not built for fp32 activations; else fp32 (dense CPU layers store fp32 weights:
+    fp32 GEMM, bf16 / fp16 -> fp32 exact)."""
     if device != "cpu":
         return getattr(torch, manifest.act_dtype)
-    kernels = {entry.kernel for entry in manifest.layers.values()}
+    kernels = [get_kernel(entry.kernel) for entry in manifest.layers.values()]
     if (
         manifest.act_dtype != "float32"
         and kernels
-        and kernels <= BF16_ACTIVATION_KERNELS
+        and all(k.cpu_act_dtype == torch.bfloat16 for k in kernels)
         and cpu_has_native_bf16()
     ):
         return torch.bfloat16
@@ -165,7 +162,7 @@ def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
 
 
 def default_device(manifest: Manifest) -> str:
-    return "cuda" if Target(manifest.target).is_gpu else "cpu"
+    return "cuda" if manifest.target.is_gpu else "cpu"
 
 
 @dataclass
@@ -319,7 +316,7 @@ def load_model(
 
     used: set[str] = set()
     # Linear layers: check each against the model config and its kernel's declared tensors, then bind.
-    target = Target(manifest.target)
+    target = manifest.target
     layouts = {layout.name: layout for layout in linear_layouts(cfg, has_lm_head_layer)}
     linears = model.linear_layers()
     for name, entry in manifest.layers.items():

@@ -41,7 +41,7 @@ from torch import nn
 from kernels.base import LinearKernel, LinearSpec
 from kernels.errors import UnsupportedError
 from runtime.kv_cache import KVCache
-from runtime.model_layout import ModelConfig
+from runtime.model_layout import ARCHITECTURES, ModelConfig, rank_shape
 
 # Logits recomputed in fp32 after the (bf16) tied lm_head GEMM: the largest ones, which greedy
 # decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
@@ -153,15 +153,10 @@ class KernelLinear(nn.Module):
         self.kernel, self.spec, self.tensors = kernel, spec, tensors
         for suffix, t in tensors.items():
             self.register_buffer(suffix, t, persistent=False)
-        # Kernels with a `bind_apply(tensors, spec)` hand back a closure with every tensor, shape
-        # and option resolved once (no dict lookups or checks per call); others run `apply`.
-        bind_apply = getattr(kernel, "bind_apply", None)
-        self._apply = bind_apply(tensors, spec) if bind_apply is not None else self._generic_apply
+        # A closure with every tensor, shape and option resolved once (no lookups per call).
+        self._apply = kernel.bind_apply(tensors, spec)
         if not self.all_reduce:  # `forward` is then the bound closure itself: one call less per use
             self.forward = self._apply  # type: ignore[method-assign]
-
-    def _generic_apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.apply(x, self.tensors, self.spec)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._apply(x)
@@ -189,8 +184,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, layer_idx: int, world_size: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads // world_size
-        self.num_kv_heads = cfg.num_kv_heads // world_size
+        # This rank's heads, as runtime/model_layout.py splits (or replicates) them.
+        layouts = ARCHITECTURES[cfg.architecture].decoder_linears(cfg, layer_idx)
+        qkv = next(layout for layout in layouts if layout.name == f"{prefix}.qkv_proj")
+        q, k, _ = rank_shape(qkv, cfg, 0, world_size).shard_sizes
+        self.num_heads = q // cfg.head_dim
+        self.num_kv_heads = k // cfg.head_dim
         self.head_dim = cfg.head_dim
         self.qkv_proj = KernelLinear(f"{prefix}.qkv_proj")
         self.o_proj = KernelLinear(f"{prefix}.o_proj", all_reduce=world_size > 1)
@@ -284,11 +283,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, world_size: int = 1, has_lm_head: bool = True) -> None:
         super().__init__()
-        if cfg.num_heads % world_size or cfg.num_kv_heads % world_size:
-            raise UnsupportedError(
-                f"tp={world_size} must divide num_attention_heads={cfg.num_heads} and "
-                f"num_key_value_heads={cfg.num_kv_heads}"
-            )
         self.cfg = cfg
         self.world_size = world_size
         # `_weight` skips nn.Embedding's normal_ init: on the meta device that init imports

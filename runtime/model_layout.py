@@ -13,12 +13,12 @@ replicated on every rank (the vocabulary is not sharded).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kernels.errors import KilnError, UnsupportedError
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 # vLLM layer class names (compressed-tensors targets may name a class, matched case-insensitively).
 CLASS_QKV = "QKVParallelLinear"
 CLASS_MERGED = "MergedColumnParallelLinear"
@@ -89,7 +89,8 @@ class ModelConfig:
             scaling["rope_type"] = kind
             if kind == "default":
                 scaling = None
-        windowed = arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window"))
+        family = ARCHITECTURES[arch]
+        windowed = family.sliding_window or bool(cfg.get("use_sliding_window"))
         return cls(
             architecture=arch,
             **dims,
@@ -100,7 +101,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
             sliding_window=cfg.get("sliding_window") if windowed else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         )
@@ -138,44 +139,62 @@ class LinearLayout:
         return len(self.shards) > 1
 
 
-def linear_layouts(cfg: ModelConfig, has_lm_head: bool) -> list[LinearLayout]:
-    """Every linear layer in execution order: per decoder layer qkv, o, gate_up, down; then lm_head."""
-    out: list[LinearLayout] = []
+def llama_decoder_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
+    """A Llama-family decoder layer: fused q|k|v, o, fused gate|up, down."""
     hd, h, i = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    for layer in range(cfg.num_layers):
-        attn = f"model.layers.{layer}.self_attn"
-        mlp = f"model.layers.{layer}.mlp"
-        qkv = (
-            ShardLayout(f"{attn}.q_proj", cfg.num_heads * hd, cfg.num_heads),
-            ShardLayout(f"{attn}.k_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
-            ShardLayout(f"{attn}.v_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
-        )
-        out += [
-            LinearLayout(f"{attn}.qkv_proj", qkv, h, False, CLASS_QKV, layer),
-            LinearLayout(
-                f"{attn}.o_proj",
-                (ShardLayout(f"{attn}.o_proj", h),),
-                cfg.num_heads * hd,
-                True,
-                CLASS_ROW,
-                layer,
-            ),
-            LinearLayout(
-                f"{mlp}.gate_up_proj",
-                (ShardLayout(f"{mlp}.gate_proj", i), ShardLayout(f"{mlp}.up_proj", i)),
-                h,
-                False,
-                CLASS_MERGED,
-                layer,
-            ),
-            LinearLayout(
-                f"{mlp}.down_proj", (ShardLayout(f"{mlp}.down_proj", h),), i, True, CLASS_ROW, layer
-            ),
-        ]
+    attn = f"model.layers.{layer}.self_attn"
+    mlp = f"model.layers.{layer}.mlp"
+    qkv = (
+        ShardLayout(f"{attn}.q_proj", cfg.num_heads * hd, cfg.num_heads),
+        ShardLayout(f"{attn}.k_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
+        ShardLayout(f"{attn}.v_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
+    )
+    return [
+        LinearLayout(f"{attn}.qkv_proj", qkv, h, False, CLASS_QKV, layer),
+        LinearLayout(
+            f"{attn}.o_proj", (ShardLayout(f"{attn}.o_proj", h),), cfg.num_heads * hd, True, CLASS_ROW, layer
+        ),
+        LinearLayout(
+            f"{mlp}.gate_up_proj",
+            (ShardLayout(f"{mlp}.gate_proj", i), ShardLayout(f"{mlp}.up_proj", i)),
+            h,
+            False,
+            CLASS_MERGED,
+            layer,
+        ),
+        LinearLayout(f"{mlp}.down_proj", (ShardLayout(f"{mlp}.down_proj", h),), i, True, CLASS_ROW, layer),
+    ]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What differs between the supported architectures: a new one (or a new kind of layer, such as
+    mixture-of-experts blocks) is an entry in ARCHITECTURES, with its own `decoder_linears`."""
+
+    name: str
+    qkv_bias: bool = False  # q/k/v projections always carry a bias
+    sliding_window: bool = False  # the config's sliding_window always applies
+    decoder_linears: Callable[[ModelConfig, int], list[LinearLayout]] = llama_decoder_linears
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM"),
+        Architecture("MistralForCausalLM", sliding_window=True),
+        Architecture("Qwen2ForCausalLM", qkv_bias=True),
+    )
+}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
+
+
+def linear_layouts(cfg: ModelConfig, has_lm_head: bool) -> list[LinearLayout]:
+    """Every linear layer in execution order: each decoder layer's, then lm_head."""
+    decoder_linears = ARCHITECTURES[cfg.architecture].decoder_linears
+    out = [lin for layer in range(cfg.num_layers) for lin in decoder_linears(cfg, layer)]
     if has_lm_head:
-        out.append(
-            LinearLayout("lm_head", (ShardLayout("lm_head", cfg.vocab_size),), h, False, CLASS_LM_HEAD, None)
-        )
+        lm_head = ShardLayout("lm_head", cfg.vocab_size)
+        out.append(LinearLayout("lm_head", (lm_head,), cfg.hidden_size, False, CLASS_LM_HEAD, None))
     return out
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kernels.base import LinearSpec
 from kernels.errors import KilnError
+from kernels.targets import Target
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
@@ -159,7 +160,7 @@ class Manifest(_Model):
     kiln_version: str
     created_at: str  # ISO 8601 UTC
     source: SourceInfo
-    target: str  # kernels.base.Target value
+    target: Target
     tp: int = Field(ge=1)
     method: str  # auto | fp8
     options: dict[str, Any] = Field(default_factory=dict)  # e.g. {"fp8_scheme": "tensor"}
@@ -242,7 +243,7 @@ def source_digest(files: dict[str, str]) -> str:
 
 def artifact_id(
     source_digest_hex: str,
-    target: str,
+    target: Target,
     tp: int,
     method: str,
     layout_versions: dict[str, int],

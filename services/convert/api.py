@@ -9,9 +9,11 @@ Pure library: no FastAPI, no Celery. Artifacts land at `{out}/{artifact_id}/`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.base import Target
 from runtime.settings import Settings
 from services.convert.checkpoint import Checkpoint, open_checkpoint
 from services.convert.detect import detect_format
@@ -42,23 +44,28 @@ __all__ = [
 
 @dataclass
 class ConversionRequest:
+    """One conversion: `targets` may be given as names ("sm80", "sm80,cpu"); they are parsed into
+    `Target`s here, once, and travel as such from then on."""
+
     source: str
-    targets: list[str]
+    targets: list[Target]
     method: str = "auto"
     tp: int = 1
     fp8_scheme: str = "tensor"
     out: str = ""  # empty: Settings().resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        self.targets = parse_targets(self.targets)
 
-def parse_targets(targets: list[str] | str) -> list[str]:
-    """["sm80,sm90", "cpu"] -> ["sm80", "sm90", "cpu"] (deduplicated, order kept)."""
+
+def parse_targets(targets: Iterable[str | Target] | str) -> list[Target]:
+    """["sm80,sm90", "cpu"] -> [SM80, SM90, CPU] (deduplicated, order kept); unknown names refused."""
     items = [targets] if isinstance(targets, str) else targets
-    out: list[str] = []
+    out: list[Target] = []
     for item in items:
-        for t in str(item).split(","):
-            t = t.strip().lower()
-            if t and t not in out:
+        for name in str(item).split(","):
+            if name.strip() and (t := Target.parse(name)) not in out:
                 out.append(t)
     if not out:
         raise ConversionError("no target given; use e.g. --target sm80 or --target sm80,cpu")
@@ -72,7 +79,7 @@ def open_and_detect(source: str, settings: Settings | None = None) -> tuple[Chec
 
 def plan(
     source: str,
-    target: str,
+    target: Target | str,
     *,
     tp: int = 1,
     method: str = "auto",
@@ -80,6 +87,7 @@ def plan(
     disabled_kernels: tuple[str, ...] | None = None,
     settings: Settings | None = None,
 ) -> Plan:
+    target = target if isinstance(target, Target) else Target.parse(target)
     settings = settings or Settings()
     ckpt, fmt = open_and_detect(source, settings)
     disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
@@ -104,7 +112,7 @@ def convert(
         build_plan(
             ckpt, fmt, t, tp=req.tp, method=req.method, fp8_scheme=req.fp8_scheme, disabled_kernels=disabled
         )
-        for t in parse_targets(req.targets)
+        for t in req.targets
     ]
     store = open_store(req.out or settings.resolved_store_url, settings)
     if progress:

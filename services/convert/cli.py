@@ -23,13 +23,14 @@ from rich.progress import (
 from rich.table import Table
 
 from kernels.errors import KilnError
+from kernels.targets import TARGET_NAMES
 
 err = Console(stderr=True)
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
 
 TargetOpt = Annotated[
-    str, typer.Option("--target", "-t", help="sm75|sm80|sm86|sm89|sm90|cpu (comma-separated)")
+    str, typer.Option("--target", "-t", help=f"one or more of {TARGET_NAMES} (comma-separated)")
 ]
 TpOpt = Annotated[int, typer.Option("--tp", help="tensor-parallel size")]
 MethodOpt = Annotated[str, typer.Option("--method", help="auto (keep the checkpoint's quantization) | fp8")]
@@ -91,11 +92,12 @@ def plan_cmd(
         from runtime.settings import Settings
 
         settings = Settings()
+        targets = parse_targets(target)
         ckpt, fmt = open_and_detect(source, settings)
         plans = [
             build_plan(ckpt, fmt, t, tp=tp, method=method, fp8_scheme=fp8_scheme,
                        disabled_kernels=tuple(settings.disabled_kernels))
-            for t in parse_targets(target)
+            for t in targets
         ]  # fmt: skip
     except KilnError as e:
         _fail(e)
@@ -126,14 +128,18 @@ def convert_cmd(
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from runtime.settings import Settings
-    from services.convert.api import ConversionRequest, convert
+    from services.convert.api import ConversionRequest, convert, parse_targets
     from services.convert.api import Progress as Step
 
     settings = Settings()
-    req = ConversionRequest(
-        source=source, targets=[target], method=method, tp=tp, fp8_scheme=fp8_scheme,
-        out=out_url or settings.resolved_store_url,
-    )  # fmt: skip
+    try:
+        req = ConversionRequest(
+            source=source, targets=parse_targets(target), method=method, tp=tp, fp8_scheme=fp8_scheme,
+            out=out_url or settings.resolved_store_url,
+        )  # fmt: skip
+    except KilnError as e:
+        _fail(e)
+        return
     bar = Progress(
         TextColumn("[bold]{task.fields[stage]}[/]"),
         BarColumn(),

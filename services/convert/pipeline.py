@@ -13,7 +13,6 @@ aborts the writer so nothing is left visible.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import shutil
 import tempfile
@@ -27,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.base import DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target, check_stored
+from kernels.base import DenseWeight, SourceWeight, Target, check_stored
 from kernels.codecs.fp8 import quantize_fp8
-from kernels.dense import DenseKernel
 from kernels.errors import LayoutError
 from runtime.artifact.manifest import (
     FileEntry,
@@ -71,7 +69,7 @@ class Progress:
 @dataclass(frozen=True)
 class ConversionResult:
     artifact_id: str
-    target: str
+    target: Target
     tp: int
     uri: str
     manifest: Manifest
@@ -91,16 +89,8 @@ def kiln_version() -> str:
 
 def plan_artifact_id(plan: Plan, hashes: dict[str, str]) -> str:
     return artifact_id(
-        source_digest(hashes), plan.target.value, plan.tp, plan.method, plan.layout_versions(), plan.options
+        source_digest(hashes), plan.target, plan.tp, plan.method, plan.layout_versions(), plan.options
     )
-
-
-def _prepare(
-    kernel: LinearKernel, weight: SourceWeight, spec: LinearSpec, target: Target
-) -> dict[str, torch.Tensor]:
-    if "target" in inspect.signature(kernel.prepare).parameters:
-        return kernel.prepare(weight, spec, target=target)  # type: ignore[call-arg]
-    return kernel.prepare(weight, spec)
 
 
 def _rank_weight(plan: Plan, pl: PlannedLayer, shards: list[SourceWeight], rank: int) -> SourceWeight:
@@ -112,11 +102,6 @@ def _rank_weight(plan: Plan, pl: PlannedLayer, shards: list[SourceWeight], rank:
         else:
             parts.append(slice_rows(w, shard_rows(shard, layout, plan.model, rank, plan.tp), shard.module))
     return fuse(parts, [s.module for s in layout.shards])
-
-
-def _stores_dense_weight(kernel: LinearKernel) -> bool:
-    """The kernel stores the weight itself and its dequantize is `tensors["weight"].float()`."""
-    return type(kernel).dequantize is DenseKernel.dequantize
 
 
 def _header_reserve(plan: Plan) -> int:
@@ -163,7 +148,7 @@ def convert_layer(
                 weight.weight, strategy, block_size=pl.target_quant.block_size or (128, 128)
             )
             weight.bias = reference.bias
-        prepared = _prepare(pl.kernel, weight, spec, plan.target)
+        prepared = pl.kernel.prepare(weight, spec, plan.target)
         try:
             check_stored(pl.kernel.name, spec, pl.kernel.stored_tensors(spec, plan.target), prepared)
         except LayoutError as e:
@@ -171,7 +156,7 @@ def convert_layer(
                 f"{e}: kernel {pl.kernel.name}'s prepare does not write the tensors it declares (a kernel "
                 "bug — disable the kernel with KILN_DISABLED_KERNELS and report it)"
             ) from e
-        if _stores_dense_weight(pl.kernel) and isinstance(reference, DenseWeight) and not pl.online_fp8:
+        if pl.kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not pl.online_fp8:
             check = compare_dense_stored(prepared["weight"], reference)
         else:
             got = pl.kernel.dequantize(prepared, spec)
@@ -214,7 +199,7 @@ def _reuse(store: ArtifactStore, aid: str, plan: Plan) -> ConversionResult | Non
         return None
     log.info("artifact %s already exists at %s: nothing to do", aid, store.uri(aid))
     return ConversionResult(
-        aid, plan.target.value, plan.tp, store.uri(aid), Manifest.parse(store.read_manifest(aid)), reused=True
+        aid, plan.target, plan.tp, store.uri(aid), Manifest.parse(store.read_manifest(aid)), reused=True
     )
 
 
@@ -336,7 +321,7 @@ def convert_plan(
                 files=hashes,
                 quantization=plan.quantization,
             ),
-            target=plan.target.value,
+            target=plan.target,
             tp=plan.tp,
             method=plan.method,
             options=plan.options,
@@ -360,7 +345,7 @@ def convert_plan(
         log.info("artifact %s was committed concurrently by another writer; using it", aid)
         return ConversionResult(
             aid,
-            plan.target.value,
+            plan.target,
             plan.tp,
             store.uri(aid),
             Manifest.parse(store.read_manifest(aid)),
@@ -372,4 +357,4 @@ def convert_plan(
     finally:
         shutil.rmtree(staged.scratch, ignore_errors=True)
     report(Progress("done", total, total, bytes_done, bytes_total, aid))
-    return ConversionResult(aid, plan.target.value, plan.tp, store.uri(aid), manifest, reused=False)
+    return ConversionResult(aid, plan.target, plan.tp, store.uri(aid), manifest, reused=False)

@@ -132,7 +132,7 @@ class Plan:
 
 
 def act_dtype_for(model: ModelConfig, target: Target) -> str:
-    if target is Target.SM75:
+    if not target.has_bf16:
         return "float16"
     dtype = _FLOAT_ACT.get(model.torch_dtype.removeprefix("torch."))
     if dtype:
@@ -234,14 +234,13 @@ def choose(spec: LinearSpec, target: Target, disabled: tuple[str, ...]) -> tuple
 def build_plan(
     ckpt: Checkpoint,
     fmt: CheckpointFormat,
-    target: str | Target,
+    target: Target,
     *,
     tp: int = 1,
     method: str = "auto",
     fp8_scheme: str = "tensor",
     disabled_kernels: tuple[str, ...] = (),
 ) -> Plan:
-    target = _target(target)
     if method not in METHODS:
         raise UnsupportedError(f"method {method!r} is not supported; use one of {', '.join(METHODS)}")
     if fp8_scheme not in FP8_SCHEMES:
@@ -315,15 +314,6 @@ def build_plan(
         other_tensors=others,
         notes=notes,
     )
-
-
-def _target(target: str | Target) -> Target:
-    try:
-        return Target(target)
-    except ValueError as e:
-        raise UnsupportedError(
-            f"unknown target {target!r}; use one of {', '.join(t.value for t in Target)}"
-        ) from e
 
 
 __all__ = ["DENSE", "Plan", "PlanRow", "PlannedLayer", "build_plan"]

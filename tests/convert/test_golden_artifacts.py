@@ -5,7 +5,8 @@ Covered: every GPU layout (Marlin int4 with act-order and asymmetric zeros, GPTQ
 FP8 Marlin, FP8 W8A16 block, dense), the CPU FP8 / int8 / dense forms, online FP8 and TP=2.
 `cpu_int4` is left out: its packed bytes follow the running CPU's int4 layout (see
 kernels/cpu_int4.py), so they differ between machines by design. The manifest is hashed with its
-volatile fields (creation time, version, timing, the source's temporary path) blanked.
+volatile fields (creation time, version, timing, the source's temporary path) and the wording of
+kernel rejection reasons blanked (which kernels were rejected is kept).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6481a8474360de3ee5ace55228668263b001250f5414866665a7f9aa76bf4575",
         },
-        "940a02e197ed53edb1e330a28c238689e73c7e8e16df03b893c0aaa3d3d84c89",
+        "09843e5a32bb952b7575b4819a5cde0e9b015a056e0dd41925415672c1ec6fca",
     ),
     "bf16-cpu": (
         "ka-31fba428a73ada09b0f5736cc0cfa66e",
@@ -57,7 +58,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "cc077fb5f3da2c183b53651ff3796862f47d02271f6ed1f6832b437c688280f5",
+        "9e3b5048597852ffda0daaf77c7aa175f3c15aa9a2a042696a9825a6f04643c5",
     ),
     "bf16-online-fp8-block-sm90": (
         "ka-fe6d5c5775fb5dc5ce7c35df5b4125a4",
@@ -66,7 +67,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "c1dfc5c13c55e1101cb3d220d7a98eebe9205181aece3cec5fc453bf3543b2eb",
+        "6f69fd983f9a338ed8514107eb4ae278e52f9925784a72e2b42bfe0563cb125b",
     ),
     "bf16-online-fp8-channel-cpu-tp2": (
         "ka-c82c7acfa0da3864f0036900bff99e57",
@@ -76,7 +77,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "4f192a2766afc4d0f84cdd85f7428463583cb3e5aa6b154badd28d8bd361056a",
+        "de3a65f80a45f52cd4040ec78f8b2a2e010c7d37701d6af333bf166d3234e23f",
     ),
     "ct-fp8-channel-sm90": (
         "ka-35dac7197f2f65c6cc04d9800d38ec6d",
@@ -85,7 +86,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ae4d4f0f866d28f8d2feb7e68131c1ff61333a6e0288960c12649495f6c44cb7",
         },
-        "afcfa626fd95d9b47631b3fe9c7b65ffb0493f8f4c019eeb310c49ceaf08f6de",
+        "328c7d46ab59eac7ebb79c9760a4275a4a43fa35ec6bfe361ad09d54cd2e17d7",
     ),
     "ct-int8-cpu": (
         "ka-babd3124e8c4ac99fa631d437cd1577b",
@@ -94,7 +95,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6f0fe3c35dd2a4561e509f9b9c6b4ce79d22e21c1b7219aae7da4a340ca16501",
         },
-        "c034ad424c053ffbb3f3749f328c5e231c5000f393569267590f69f88c917dff",
+        "8d0330316679b950cdc454fc83c49ac49eba13531040b33fb521e44850e1e9c6",
     ),
     "ct-w8a16-sm90": (
         "ka-9ac5bf64944494233d710f08f4b08292",
@@ -103,7 +104,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "c1c34b84965ec46ae617135477557988d1306ae9fab0a875eeab316ce3763e47",
         },
-        "1e5ced8e3bcfd244ed5aa3a464e0ad6f2b6ee57f1b6ce1b9ba858c89cf746def",
+        "e5edd717c38f4f625c2e4f4ec1a0b6478bdc756ce360ec2fd3c9d36ed5c1175c",
     ),
     "fp8-block-sm89": (
         "ka-1f03b4610a197951626db55b83825a96",
@@ -112,7 +113,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "74803fddb6b2698dd3e3786d8b8be49261f155cd81590dbea5807d1517f4d018",
+        "fc6d82390f9d39562ed8cff2e6172006f48080f1b9ea55dfbc55be671e9277dc",
     ),
     "fp8-tensor-cpu": (
         "ka-cf6bc2915d96bdbcbb8b11193e0aa2f3",
@@ -121,7 +122,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "6d30f5225a4f1e38d4612f92da4791bb2cdcf454dfe01ab2d1cb2bd8e163bad5",
+        "9e1b8cf39e39b454b3e01f38b94497dcaa7659e10ed2830eeafcb4db687c00fd",
     ),
     "fp8-tensor-sm80": (
         "ka-e561b5f87b4a3964aabe0b728e513f32",
@@ -130,7 +131,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ef331ab737201ee823a3916d9ec31cac4a8c35b73407ee78149a702b23eeb79f",
         },
-        "f6cae5d8c19dad7958d251736f174426b970191c6ab57b40060f326d32de1326",
+        "ce8f0b5b026087aeeb973d28a83f2f575f42fffac107b97a7d1455a235ba8993",
     ),
     "gptq-actorder-sm80": (
         "ka-e21dc81747e695d2a70161e106ca4973",
@@ -139,7 +140,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "97efe509531b44176bb120c250e281dc33564f906c79f73f77636e9ef374cc75",
         },
-        "e86b2c08b51184b76d59be3df62ebe371831d7ae1930c36d7afae5c7759322d6",
+        "38cdf7308fb2bb8f0b9b6e675951e8474e45582c5cbc6369749c567744922ed2",
     ),
     "gptq-asym-sm75": (
         "ka-f913c5e1ab2bcdde8e6680644b4a38e2",
@@ -148,7 +149,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "0fc2208fc2692348a4b76ab08a441e9563cedde0d78c241164735bbaecb6440b",
         },
-        "e0044b003dbb13c6401d1f72823b24f2fb6fed5bcd4380543a1997b466727f82",
+        "c3505f41ca228737298ae32fefb016f9d2eb949f124e3afcbf113051c08d6712",
     ),
     "gptq-asym-sm80-tp2": (
         "ka-f905036883f7bb84f9bc340493624590",
@@ -158,7 +159,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "67d852d990fc557d5fb0121315ad6c38f5d9cc8caff0323513ac9e23a0ae7730",
             "rank1.safetensors": "1e87616a71da745e4da9a90701d652a3b386f8f50102ddfb1cf7c433668b522e",
         },
-        "ed3fb814d2cc40c01f7fa1ac3a0406ad403a75fc307b1d5f975e43b82692d32b",
+        "a020a10abe3606aa387ed6ce4d63a74bb6821b80b2446da2db87ac010808da0c",
     ),
 }
 
@@ -169,6 +170,9 @@ def _manifest_digest(raw: bytes) -> str:
         doc[key] = ""
     doc["verification"]["seconds"] = 0.0
     doc["source"]["uri"] = ""
+    for layer in doc["layers"].values():  # which kernels were rejected stays; their prose may improve
+        for rejection in layer["rejected"]:
+            rejection["reason"] = ""
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 

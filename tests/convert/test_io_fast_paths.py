@@ -138,9 +138,9 @@ def test_a_wrong_dense_value_fails_the_conversion(
     real = DenseKernel.prepare
 
     def one_wrong_value(
-        self: DenseKernel, weight: object, spec: object, **kw: object
+        self: DenseKernel, weight: object, spec: object, target: object
     ) -> dict[str, torch.Tensor]:
-        out = real(self, weight, spec, **kw)  # type: ignore[arg-type]
+        out = real(self, weight, spec, target)  # type: ignore[arg-type]
         if "q_proj" in str(getattr(spec, "name", "")) or "qkv" in str(getattr(spec, "name", "")):
             out["weight"] = out["weight"].clone()
             out["weight"][0, 0] += 1.0

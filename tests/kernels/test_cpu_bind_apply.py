@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.base import Fp8Weight, LinearSpec
+from kernels.base import Fp8Weight, LinearSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
@@ -34,7 +34,7 @@ def test_int4_bind_apply_equals_apply(
     w = int_weight(64, 256, symmetric=symmetric, act_order=act_order, bias=bias)
     spec = int_spec(w, act_order=act_order)
     kernel = CpuInt4Kernel()
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     run = kernel.bind_apply(tensors, spec, exact_zero_offsets=True)
     for m in ROWS:
         x = torch.randn(2, m, spec.k).to(dtype)
@@ -48,7 +48,7 @@ def test_int4_bind_apply_folded_zero_offsets_match_reference(m: int) -> None:
     w = int_weight(576, 1536, symmetric=False)
     spec = int_spec(w)
     kernel = CpuInt4Kernel()
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     run = kernel.bind_apply(tensors, spec)
     x = torch.randn(m, spec.k).to(torch.bfloat16)
     y, ref = run(x), kernel.reference(x, tensors, spec)
@@ -72,7 +72,7 @@ def test_fp8_bind_apply_equals_apply(strategy: str, dtype: torch.dtype) -> None:
         block_size=weight.block_size,
     )
     kernel = CpuFp8Kernel()
-    tensors = kernel.prepare(weight, spec)
+    tensors = kernel.prepare(weight, spec, Target.CPU)
     run = kernel.bind_apply(tensors, spec)
     for m in ROWS:
         x = torch.randn(m, spec.k).to(dtype)

@@ -111,7 +111,7 @@ def test_int4_apply_matches_reference(n: int, k: int, symmetric: bool, group_siz
     spec = int_spec(w)
     kernel = CpuInt4Kernel()
     assert kernel.can_implement(spec, Target.CPU) == (True, "")
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     check_apply(kernel, tensors, spec, BF16_GEMM_REL_ERR)
     # the kernel computes exactly the checkpoint's layer, not just its own twin
     x = torch.randn(5, k)
@@ -126,14 +126,14 @@ def test_int4_apply_matches_reference(n: int, k: int, symmetric: bool, group_siz
 def test_int4_dequantize_is_exact_for_bf16_scales(group_size: int, symmetric: bool, act_order: bool) -> None:
     w = int_weight(192, 768, group_size=group_size, symmetric=symmetric, act_order=act_order)
     spec = int_spec(w, act_order=act_order)
-    tensors = CpuInt4Kernel().prepare(w, spec)
+    tensors = CpuInt4Kernel().prepare(w, spec, Target.CPU)
     assert tensors["qweight"].dtype == torch.uint8 and tuple(tensors["qweight"].shape) == (192, 384)
     assert torch.equal(CpuInt4Kernel().dequantize(tensors, spec), w.dequantize())
 
 
 def test_int4_asymmetric_zero_is_exact_offset_not_in_the_bf16_zero_column() -> None:
     w = int_weight(64, 256, group_size=64, symmetric=False, scale_dtype=torch.float16)
-    tensors = CpuInt4Kernel().prepare(w, int_spec(w))
+    tensors = CpuInt4Kernel().prepare(w, int_spec(w), Target.CPU)
     sz = tensors["scales_and_zeros"]
     assert sz.dtype == torch.bfloat16 and tuple(sz.shape) == (4, 64, 2)
     assert torch.equal(sz[..., 1], torch.zeros_like(sz[..., 1]))
@@ -145,7 +145,7 @@ def test_int4_asymmetric_zero_is_exact_offset_not_in_the_bf16_zero_column() -> N
 def test_int4_fp16_scales_round_to_bf16_within_bound() -> None:
     w = int_weight(128, 512, group_size=128, symmetric=True, scale_dtype=torch.float16)
     spec = int_spec(w)
-    deq = CpuInt4Kernel().dequantize(CpuInt4Kernel().prepare(w, spec), spec)
+    deq = CpuInt4Kernel().dequantize(CpuInt4Kernel().prepare(w, spec, Target.CPU), spec)
     exact = w.dequantize()
     assert torch.all((deq - exact).abs() <= BF16_SCALE_REL_ERR * exact.abs())
     assert not torch.equal(deq, exact)  # fp16 scales are not all bf16-representable
@@ -154,7 +154,7 @@ def test_int4_fp16_scales_round_to_bf16_within_bound() -> None:
 def test_int4_channelwise_repeats_scale_over_op_groups() -> None:
     w = int_weight(64, 576, group_size=-1, symmetric=True)  # 576 = 9 * 64: op groups of 64
     spec = int_spec(w)
-    tensors = CpuInt4Kernel().prepare(w, spec)
+    tensors = CpuInt4Kernel().prepare(w, spec, Target.CPU)
     sz = tensors["scales_and_zeros"]
     assert tuple(sz.shape) == (9, 64, 2)
     assert torch.equal(sz[..., 0], w.scales.to(torch.bfloat16).expand(9, 64))
@@ -164,7 +164,7 @@ def test_int4_act_order_permutes_k_once() -> None:
     w = int_weight(192, 576, group_size=64, symmetric=False, act_order=True, seed=3)
     spec = int_spec(w, act_order=True)
     kernel = CpuInt4Kernel()
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     assert w.g_idx is not None
     perm = tensors["perm"]
     assert perm.dtype == torch.int32 and torch.equal(perm.long(), torch.argsort(w.g_idx.long(), stable=True))
@@ -183,21 +183,21 @@ def test_int4_act_order_with_uneven_groups_is_refused() -> None:
     g_idx[g_idx == 1] = torch.tensor(0, dtype=g_idx.dtype)  # group 0 gets 128 members, group 1 none
     w.g_idx = g_idx
     with pytest.raises(LayoutError, match="exactly 64"):
-        CpuInt4Kernel().prepare(w, int_spec(w, act_order=True))
+        CpuInt4Kernel().prepare(w, int_spec(w, act_order=True), Target.CPU)
 
 
 def test_int4_prepare_rejects_out_of_range_codes() -> None:
     w = int_weight(64, 128)
     w.codes[3, 5] = 16
     with pytest.raises(LayoutError, match="codes >= 16"):
-        CpuInt4Kernel().prepare(w, int_spec(w))
+        CpuInt4Kernel().prepare(w, int_spec(w), Target.CPU)
 
 
 def test_int4_handles_fp32_and_batched_activations() -> None:
     w = int_weight(64, 256, group_size=64, symmetric=False)
     spec = int_spec(w)
     kernel = CpuInt4Kernel()
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     x = torch.randn(2, 3, 256)
     y = kernel.apply(x, tensors, spec)
     assert y.shape == (2, 3, 64) and y.dtype == torch.float32
@@ -225,14 +225,14 @@ OTHER_CPU_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from safetensors.torch import load_file, save_file
-    from kernels.base import IntWeight, LinearSpec
+    from kernels.base import IntWeight, LinearSpec, Target
     from kernels.cpu_int4 import CpuInt4Kernel, runtime_pack_format
     t = load_file(sys.argv[1])
     meta = json.loads(open(sys.argv[2]).read())
     w = IntWeight(
         codes=t["codes"], scales=t["scales"], zeros=t["zeros"], bits=4, group_size=meta["group_size"]
     )
-    tensors = CpuInt4Kernel().prepare(w, LinearSpec.from_json(meta["spec"]))
+    tensors = CpuInt4Kernel().prepare(w, LinearSpec.from_json(meta["spec"]), Target.CPU)
     save_file(tensors, sys.argv[3])
     fmt = runtime_pack_format()
     info = {"format": [fmt[0], bool(fmt[1])], "capability": torch.backends.cpu.get_cpu_capability()}
@@ -304,7 +304,7 @@ def test_int4_group_192_runs_as_op_groups_of_64() -> None:
     ]
     w = int_weight(64, 576, group_size=192, symmetric=False)
     spec = int_spec(w)
-    tensors = CpuInt4Kernel().prepare(w, spec)
+    tensors = CpuInt4Kernel().prepare(w, spec, Target.CPU)
     assert tuple(tensors["scales_and_zeros"].shape) == (9, 64, 2)
     assert torch.equal(CpuInt4Kernel().dequantize(tensors, spec), w.dequantize())
 
@@ -320,7 +320,7 @@ def test_int8_apply_matches_reference(n: int, k: int) -> None:
     spec = int_spec(w)
     kernel = CpuInt8Kernel()
     assert kernel.can_implement(spec, Target.CPU) == (True, "")
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     check_apply(kernel, tensors, spec, BF16_GEMM_REL_ERR)
     x = torch.randn(DEQUANT_MIN_M + 3, k).to(torch.bfloat16)  # the widened-GEMM path
     assert rel_err(kernel.apply(x, tensors, spec), kernel.reference(x, tensors, spec)) < BF16_GEMM_REL_ERR
@@ -329,7 +329,7 @@ def test_int8_apply_matches_reference(n: int, k: int) -> None:
 def test_int8_layout_is_code_minus_128_and_exact() -> None:
     w = int_weight(64, 96, bits=8, group_size=-1)
     spec = int_spec(w)
-    tensors = CpuInt8Kernel().prepare(w, spec)
+    tensors = CpuInt8Kernel().prepare(w, spec, Target.CPU)
     assert tensors["qweight"].dtype == torch.int8
     assert torch.equal(tensors["qweight"].to(torch.int16), w.codes.to(torch.int16) - 128)
     assert torch.equal(CpuInt8Kernel().dequantize(tensors, spec), w.dequantize())
@@ -354,7 +354,7 @@ def test_int8_refusals_name_the_reason(spec_kw: dict[str, object], target: Targe
 def test_int8_prepare_rejects_asymmetric_zero_points() -> None:
     w = int_weight(64, 96, bits=8, group_size=-1, symmetric=False)
     with pytest.raises(LayoutError, match="asymmetric"):
-        CpuInt8Kernel().prepare(w, int_spec(w))
+        CpuInt8Kernel().prepare(w, int_spec(w), Target.CPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +405,7 @@ def test_fp8_apply_matches_reference_and_dequantize_is_bit_exact(n: int, k: int,
     spec = fp8_spec(w)
     kernel = CpuFp8Kernel()
     assert kernel.can_implement(spec, Target.CPU) == (True, "")
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     assert torch.equal(kernel.dequantize(tensors, spec), w.dequantize())  # lossless
     if strategy == "block":
         assert tensors["weight"].dtype == torch.float32 and "scale" not in tensors
@@ -421,7 +421,7 @@ def test_fp8_weights_from_the_codec_stay_lossless(strategy: str) -> None:
     w[7] = 0.0  # a zero row: scale 0 for channel strategy
     q = quantize_fp8(w, strategy, shard_sizes=(64, 128) if strategy == "tensor" else ())  # type: ignore[arg-type]
     spec = fp8_spec(q)
-    tensors = CpuFp8Kernel().prepare(q, spec)
+    tensors = CpuFp8Kernel().prepare(q, spec, Target.CPU)
     assert torch.equal(CpuFp8Kernel().dequantize(tensors, spec), q.dequantize())
     x = torch.randn(5, 576).to(torch.bfloat16)
     y = CpuFp8Kernel().apply(x, tensors, spec)
@@ -433,7 +433,7 @@ def test_fp8_fp32_activations_store_fp32_and_keep_precision() -> None:
     w = fp8_weight(192, 576, "channel")
     spec = fp8_spec(w, act_dtype="float32")
     kernel = CpuFp8Kernel()
-    tensors = kernel.prepare(w, spec)
+    tensors = kernel.prepare(w, spec, Target.CPU)
     assert tensors["weight"].dtype == torch.float32
     assert torch.equal(kernel.dequantize(tensors, spec), w.dequantize())
     x = torch.randn(7, 576)
@@ -448,7 +448,7 @@ def test_fp8_refusals() -> None:
     ok, why = CpuFp8Kernel().can_implement(LinearSpec("l", "int", 64, 64, bits=4), Target.CPU)
     assert not ok and "fp8 weights only" in why
     with pytest.raises(LayoutError, match="Fp8Weight"):
-        CpuFp8Kernel().prepare(int_weight(64, 64), spec)
+        CpuFp8Kernel().prepare(int_weight(64, 64), spec, Target.CPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +507,7 @@ def test_dense_gpu_stores_in_activation_dtype(target: Target, act_dtype: str, dt
 def test_dense_is_the_lossless_cpu_fallback(weight: IntWeight | Fp8Weight, spec: LinearSpec) -> None:
     kernel = DenseKernel()
     assert kernel.can_implement(spec, Target.CPU) == (True, "")
-    tensors = kernel.prepare(weight, spec)
+    tensors = kernel.prepare(weight, spec, Target.CPU)
     assert tensors["weight"].dtype == torch.float32
     assert torch.equal(kernel.dequantize(tensors, spec), weight.dequantize())
     check_apply(kernel, tensors, spec, BF16_GEMM_REL_ERR)
@@ -528,4 +528,4 @@ def test_dense_refuses_quantized_layers_on_gpu(target: Target) -> None:
 
 def test_dense_rejects_a_weight_of_the_wrong_scheme() -> None:
     with pytest.raises(LayoutError, match="scheme dense but got IntWeight"):
-        DenseKernel().prepare(int_weight(64, 64), LinearSpec("l", "dense", 64, 64))
+        DenseKernel().prepare(int_weight(64, 64), LinearSpec("l", "dense", 64, 64), Target.CPU)

@@ -48,7 +48,7 @@ KERNEL = Fp8W8A16Kernel()
 def test_stored_tensors_and_dequantize_are_exact(case: Fp8Case) -> None:
     spec = case.spec(torch.bfloat16)
     fw = case.weight(torch.bfloat16)
-    tensors = KERNEL.prepare(fw, spec)
+    tensors = KERNEL.prepare(fw, spec, Target.SM90)
     assert tensors["weight"].dtype == torch.float8_e4m3fn
     assert torch.equal(tensors["weight"].view(torch.uint8), fw.weight.view(torch.uint8))  # bytes as is
     scale = tensors["weight_scale"]
@@ -70,7 +70,7 @@ def test_stored_tensors_and_dequantize_are_exact(case: Fp8Case) -> None:
 def test_apply_matches_reference(case: Fp8Case, dtype: torch.dtype) -> None:
     spec = case.spec(dtype)
     fw = case.weight(dtype)
-    tensors = KERNEL.prepare(fw, spec)
+    tensors = KERNEL.prepare(fw, spec, Target.SM90)
     w = fw.dequantize()
     gen = torch.Generator().manual_seed(1)
     for m in MS:
@@ -90,7 +90,7 @@ def test_no_bias_split_k_and_batched_input() -> None:
     spec = replace(case.spec(dtype), has_bias=False)
     fw = case.weight(dtype)
     fw.bias = None
-    tensors = KERNEL.prepare(fw, spec)
+    tensors = KERNEL.prepare(fw, spec, Target.SM90)
     assert "bias" not in tensors
     x = torch.randn(2, 3, spec.k).to(dtype)
     ref = KERNEL.reference(x, tensors, spec)
@@ -121,12 +121,12 @@ def test_prepare_refuses_mismatched_weights() -> None:
     spec = case.spec(torch.float16)
     fw = case.weight(torch.float16)
     with pytest.raises(LayoutError, match="block size"):
-        KERNEL.prepare(fw, replace(spec, block_size=(128, 128)))
+        KERNEL.prepare(fw, replace(spec, block_size=(128, 128)), Target.SM90)
     with pytest.raises(LayoutError, match="spec says"):
-        KERNEL.prepare(fw, replace(spec, n=case.n + 8))
+        KERNEL.prepare(fw, replace(spec, n=case.n + 8), Target.SM90)
     shards = CASES[1].weight(torch.float16)
     with pytest.raises(LayoutError, match="per-tensor scales"):
-        KERNEL.prepare(replace(shards, shard_sizes=(100, 100)), CASES[1].spec(torch.float16))
+        KERNEL.prepare(replace(shards, shard_sizes=(100, 100)), CASES[1].spec(torch.float16), Target.SM90)
 
 
 def test_can_implement_and_refusals() -> None:
@@ -171,6 +171,6 @@ def test_fused_layer_with_one_per_tensor_scale() -> None:
     spec = case.spec(torch.float16)
     assert len(spec.shards) == 3
     whole = Fp8Case(case.n, case.k, "tensor").weight(torch.float16)
-    tensors = KERNEL.prepare(whole, spec)
+    tensors = KERNEL.prepare(whole, spec, Target.SM90)
     assert torch.equal(tensors["weight_scale"], whole.scale.expand(case.n))
     assert torch.equal(KERNEL.dequantize(tensors, spec), whole.dequantize())

@@ -189,7 +189,7 @@ def prepared(name: str, case: IntCase | Fp8Case, dtype: torch.dtype) -> tuple[An
     k = kernel(name)
     spec = case.spec(dtype)
     w = case.weight(dtype)
-    return k, k.prepare(w, spec), spec, w
+    return k, k.prepare(w, spec, Target.SM90), spec, w
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def test_act_order_row_parallel_keeps_all_groups(name: str) -> None:
     spec = case.spec(torch.float16, k_full=k_full, row_parallel=True)
     kern = kernel(name)
     assert kern.can_implement(spec, Target.SM90) == (True, "")
-    tensors = kern.prepare(w, spec)
+    tensors = kern.prepare(w, spec, Target.SM90)
     assert tensors["scales"].shape == (k_full // group, n)
     assert torch.equal(kern.dequantize(tensors, spec), w.dequantize())
     x = torch.randn(7, k, generator=gen).to(torch.float16)
@@ -362,14 +362,14 @@ def test_fp8_w8a8_layout(dtype: torch.dtype) -> None:
     k = kernel("fp8_w8a8")
     channel, fused = FP8_W8A8_CASES[1], FP8_W8A8_CASES[0]
     w = channel.weight(dtype)
-    tensors = k.prepare(w, channel.spec(dtype))
+    tensors = k.prepare(w, channel.spec(dtype), Target.SM90)
     assert tensors["weight"].dtype == torch.float8_e4m3fn and tensors["weight_scale"].shape == (channel.n,)
     assert torch.equal(k.dequantize(tensors, channel.spec(dtype)), w.dequantize())
     # Fused per-tensor shards are requantized to the max scale: each element moves by at most half
     # an e4m3 step at the new scale (relative 2^-4 for normals, 2^-10 * scale for subnormals) plus
     # the fp16 round trip vLLM's requantize goes through (2^-11 relative).
     w = fused.weight(dtype)
-    tensors = k.prepare(w, fused.spec(dtype))
+    tensors = k.prepare(w, fused.spec(dtype), Target.SM90)
     assert tensors["weight_scale"].shape == (1,)
     max_s = w.scale.max()
     assert torch.equal(tensors["weight_scale"], max_s.reshape(1))
@@ -388,7 +388,7 @@ def test_fp8_marlin_layout(dtype: torch.dtype) -> None:
     for case in FP8_MARLIN_CASES:
         spec = case.spec(dtype)
         w = case.weight(dtype)
-        tensors = k.prepare(w, spec)
+        tensors = k.prepare(w, spec, Target.SM90)
         raw = w.weight.view(torch.uint8)
         assert torch.equal(tensors["qweight"], marlin_repack(pack_rows(raw.T, 8), 8))
         assert tensors["qweight"].shape == (case.k // 16, 4 * case.n)
@@ -398,7 +398,7 @@ def test_fp8_marlin_layout(dtype: torch.dtype) -> None:
     # the exponent bias is folded in: channel scales are (1, N), permuted, times 2^8 / 2^120
     case = FP8_MARLIN_CASES[1]
     w = case.weight(dtype)
-    tensors = k.prepare(w, case.spec(dtype))
+    tensors = k.prepare(w, case.spec(dtype), Target.SM90)
     s = w.scale.to(dtype).reshape(1, -1)
     expected = marlin_permute_scales(s, case.k, case.n, -1) * torch.full_like(s, 2.0) ** EXPONENT_BIAS[dtype]
     assert torch.equal(tensors["scales"], expected)
@@ -531,6 +531,6 @@ def test_fp8_marlin_fused_layer_with_one_online_scale() -> None:
         act_dtype="bfloat16",
         shards=(ShardSpec("q", 128), ShardSpec("k", 32), ShardSpec("v", 32)),
     )
-    tensors = k.prepare(w, spec)
+    tensors = k.prepare(w, spec, Target.SM90)
     got, want = k.dequantize(tensors, spec), w.dequantize()
     assert bool(((got - want).abs() <= FP8_SCALE_CAST_REL[torch.bfloat16] * want.abs()).all())

@@ -15,6 +15,7 @@ import torch
 
 from kernels import triton_utils
 from kernels.registry import get_kernel
+from kernels.targets import Target
 from tests.kernels.test_gpu_kernels import DTYPES, GEMM_REL_TOL, Fp8Case, IntCase, rel_err
 
 pytestmark = [
@@ -77,7 +78,7 @@ def _cases() -> list[Any]:
 def _prepared_on_cuda(name: str, case: Any, dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor], Any]:
     kernel = get_kernel(name)
     spec = case.spec(dtype)
-    tensors = kernel.prepare(case.weight(dtype), spec)
+    tensors = kernel.prepare(case.weight(dtype), spec, Target.SM90)
     return kernel, {k: t.cuda() for k, t in tensors.items()}, spec
 
 

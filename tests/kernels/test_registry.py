@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -41,12 +42,10 @@ DENSE = spec("dense", bits=16, group_size=-1)
 
 @pytest.fixture(autouse=True)
 def fresh_registry() -> Iterator[None]:
-    """The registry caches kernels and entry points; every test starts and ends uncached."""
+    """The registry caches entry points; every test starts and ends uncached."""
     registry.external_kernels.cache_clear()
-    registry.builtin_kernel.cache_clear()
     yield
     registry.external_kernels.cache_clear()
-    registry.builtin_kernel.cache_clear()
 
 
 def test_every_target_has_a_priority_list_of_known_kernels_ending_in_dense() -> None:
@@ -84,7 +83,7 @@ def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -
 def test_cpu_choose_first_fit_and_record_rejections(
     layer: LinearSpec, chosen: str, rejected: list[str]
 ) -> None:
-    choice = registry.choose_kernel(layer, "cpu")
+    choice = registry.choose_kernel(layer, Target.CPU)
     assert choice.kernel.name == chosen
     assert [name for name, _ in choice.rejected] == rejected
     assert all(reason for _, reason in choice.rejected)
@@ -195,7 +194,7 @@ def test_plugin_kernel_is_tried_ahead_of_builtins_and_applied(plugin_on_path: Pa
         bits=4,
         group_size=64,
     )
-    tensors = kernel.prepare(w, INT4)
+    tensors = kernel.prepare(w, INT4, Target.CPU)
     x = torch.randn(3, 1536)
     y = kernel.apply(x, tensors, INT4)
     ref = x @ w.dequantize().T
@@ -216,3 +215,70 @@ def test_plugin_reusing_a_builtin_name_is_refused(
     registry.external_kernels.cache_clear()
     with pytest.raises(KilnError, match="reuses the built-in kernel name 'dense'"):
         registry.external_kernels()
+
+
+# Today's priority rows, written out: the derived lists (KERNELS filtered by each kernel's targets)
+# must equal them exactly.
+EXPECTED_PRIORITY = {
+    Target.SM90: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM89: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM86: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM80: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
+    Target.CPU: ("cpu_int4", "cpu_int8", "cpu_fp8", "dense"),
+}
+THROWAWAY_KERNEL = """
+import torch
+from kernels.base import LinearKernel, StoredTensor
+from kernels.targets import Target
+
+
+class ThrowawayKernel(LinearKernel):
+    name = "throwaway_int"
+    schemes = frozenset({"int"})
+    targets = frozenset({Target.SM86})
+
+    def stored_tensors(self, spec, target):
+        return {"w": StoredTensor((spec.n, spec.k), torch.float32)}
+
+    def prepare(self, weight, spec, target):
+        return {"w": weight.dequantize()}
+
+    def dequantize(self, tensors, spec):
+        return tensors["w"]
+
+    def apply(self, x, tensors, spec):
+        return x @ tensors["w"].T
+"""
+
+
+def test_priority_lists_are_derived_from_one_kernel_list_and_equal_todays_rows() -> None:
+    assert registry.PRIORITY == EXPECTED_PRIORITY
+    order = list(registry.BUILTIN_KERNELS)
+    for names in registry.PRIORITY.values():  # every row keeps the one list's order
+        assert [n for n in order if n in names] == list(names)
+
+
+def test_a_new_builtin_kernel_is_one_file_and_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write a kernel file, add its one line to KERNELS, and it is chosen where it declares it runs:
+    first on its target (ahead of the kernels it precedes), nowhere else."""
+    (tmp_path / "throwaway_kernel.py").write_text(THROWAWAY_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = Path(registry.__file__).read_text()
+    anchor = '    "kernels.fp8_w8a8:Fp8W8A8Kernel",\n'
+    assert source.count(anchor) == 1
+    edited = source.replace(anchor, '    "throwaway_kernel:ThrowawayKernel",\n' + anchor)  # the one line
+    module_path = tmp_path / "registry_with_throwaway.py"
+    module_path.write_text(edited)
+    spec = importlib.util.spec_from_file_location("registry_with_throwaway", module_path)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.PRIORITY[Target.SM86][0] == "throwaway_int"
+    assert all("throwaway_int" not in names for t, names in fresh.PRIORITY.items() if t is not Target.SM86)
+    assert fresh.choose_kernel(INT4, Target.SM86).kernel.name == "throwaway_int"
+    assert fresh.choose_kernel(INT4, Target.SM80).kernel.name == "marlin_wna16"
+    ok, reason = fresh.get_kernel("throwaway_int").can_implement(INT4, Target.CPU)
+    assert not ok and "sm86" in reason

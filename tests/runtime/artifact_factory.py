@@ -192,7 +192,7 @@ def write_artifact(
             w = _rank_weight(sd, layout, layout_cfg, r, tp, "weight")
             assert w is not None, layout.name
             bias = _rank_weight(sd, layout, layout_cfg, r, tp, "bias") if has_bias else None
-            prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=bias), spec)
+            prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=bias), spec, Target(target))
             for suffix, t in prepared.items():
                 rank_tensors[r][f"{layout.name}.{suffix}"] = t.contiguous().clone()
         layers[layout.name] = LayerEntry(

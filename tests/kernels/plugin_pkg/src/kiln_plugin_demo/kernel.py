@@ -16,6 +16,7 @@ class DemoFp32IntKernel(LinearKernel):
     name = "demo_fp32_int"
     layout_version = 1
     schemes = frozenset({"int"})
+    targets = frozenset({Target.CPU})
     description = "test plugin: int weights dequantized to fp32 on cpu"
 
     def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
@@ -26,7 +27,7 @@ class DemoFp32IntKernel(LinearKernel):
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
         return {"weight_fp32": StoredTensor((spec.n, spec.k), torch.float32)}
 
-    def prepare(self, weight: SourceWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if not isinstance(weight, IntWeight):
             raise LayoutError(f"demo_fp32_int: layer {spec.name} needs an IntWeight")
         return {"weight_fp32": weight.dequantize()}
