@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,11 +34,7 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results" / "api.json"
 KILN = [sys.executable, "-m", "services.cli"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from runtime.distributed import free_port  # noqa: E402  (after the sys.path fix above)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -149,13 +144,13 @@ def bench_backend(name: str, api: ApiProcess, n: int, concurrency: int, run_id: 
 
 def bench_e2e(workdir: Path) -> dict | None:
     try:
-        from services import checkpoints
+        from services.demo import checkpoints
 
         source = checkpoints.build_bf16()
     except Exception as e:
         print(f"e2e: SmolLM2 bf16 checkpoint unavailable ({e}); skipped")
         return None
-    from services.convert.api import ConversionRequest, convert
+    from services.convert.library import ConversionRequest, convert
 
     t0 = time.perf_counter()
     convert(ConversionRequest(source=str(source), targets=["cpu"], out=str(workdir / "direct")))

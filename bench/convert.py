@@ -33,7 +33,7 @@ CONVERT_CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from kernels.registry import BUILTIN_KERNELS, builtin_kernel
-from services.convert.api import ConversionRequest, convert
+from services.convert.library import ConversionRequest, convert
 for name in BUILTIN_KERNELS:
     builtin_kernel(name)  # import cost (torch, triton) is reported apart from the conversion
 t = time.perf_counter()

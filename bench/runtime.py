@@ -11,7 +11,7 @@ Every system runs in its own subprocess, so each figure includes nothing of the 
                sequence, at batch 1 and batch 8 (8 copies of the prompt), after a short warm-up.
   peak RSS     the decode process's peak resident set (ru_maxrss), mapped weights included.
 
-Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/checkpoints.py —
+Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/demo/checkpoints.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — converted on first use and
 cached under .cache/kiln-test/artifacts); transformers on the bf16 source checkpoint in fp32 and in bf16; and
 llama.cpp through llama-cpp-python on the GGUF the checkpoints come from, when --llama-python (default
@@ -274,8 +274,8 @@ def measure(python: str, system: str, path: str, args: argparse.Namespace) -> di
 
 
 def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
-    """The SmolLM2 CPU artifacts and the bf16 source, from services/checkpoints.py's cache."""
-    from services import checkpoints
+    """The SmolLM2 CPU artifacts and the bf16 source, from services/demo/checkpoints.py's cache."""
+    from services.demo import checkpoints
 
     sources = {
         "bf16": (checkpoints.build_bf16, "auto"),
@@ -300,7 +300,7 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
 
 
 def _dir_of(builder: Any) -> str:
-    from services import checkpoints
+    from services.demo import checkpoints
 
     return {checkpoints.build_bf16: checkpoints.BF16_DIR, checkpoints.build_gptq: checkpoints.GPTQ_DIR}[
         builder
@@ -308,7 +308,7 @@ def _dir_of(builder: Any) -> str:
 
 
 def _existing(path: Path) -> Path | None:
-    from services import checkpoints
+    from services.demo import checkpoints
 
     return path if checkpoints.is_complete(path) else None
 
@@ -438,7 +438,7 @@ def main() -> None:
         source = source or default_source
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None:
-        from services import checkpoints
+        from services.demo import checkpoints
 
         gguf = checkpoints.gguf_file()
 

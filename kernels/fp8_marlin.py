@@ -1,7 +1,7 @@
 """fp8_marlin: FP8 e4m3 weights x bf16/fp16 activations (W8A16) on vLLM's FP8-Marlin layout.
 
 For sm80/sm86 (no FP8 tensor cores), and the fallback on sm89/sm90 for block scales. Stored tensors
-(per rank, bytes identical to vLLM's prepare_fp8_layer_for_marlin, formats.md §5.4):
+(per rank, bytes identical to vLLM's prepare_fp8_layer_for_marlin, docs/formats.md §5.4):
     qweight  (K // 16, 4 N) int32   raw e4m3 bytes packed as 8-bit GPTQ ((K / 4, N), byte k % 4 at
                                     bits 8 (k % 4)), then gptq_marlin_repack(num_bits=8)
     scales   (G, N) act dtype       scales cast to the act dtype; per-tensor expanded per shard to

@@ -3,7 +3,7 @@
 The sm75 path, and the fallback for shapes Marlin refuses (N % 64, K % 128, odd group sizes).
 
 Stored tensors (per rank; pf = 32 // bits; G = number of scale groups):
-    qweight  (K // pf, N) int32     codes packed along K, standard order (formats.md §1.1)
+    qweight  (K // pf, N) int32     codes packed along K, standard order (docs/formats.md §1.1)
     scales   (G, N)       act dtype dequant multipliers
     qzeros   (G, N // pf) int32     asymmetric only: TRUE zero points (GPTQ v2 semantics), packed along N
     g_idx    (K,)         int32     act-order only: scale group of every input channel (original order)

@@ -1,4 +1,5 @@
-"""The Marlin in-kernel layout, byte-identical to vLLM's `gptq_marlin_repack` and helpers (formats.md §4).
+"""The Marlin in-kernel layout, byte-identical to vLLM's `gptq_marlin_repack` and helpers
+(docs/formats.md §4).
 
 Weights (`marlin_repack`): input standard GPTQ layout (K / pf, N) int32, output (K / 16, N * 16 / pf)
 int32. Each 16 x 64 tile (k-tile kt, n-tile nt) becomes 1024 / pf consecutive words of row kt. With
@@ -6,9 +7,10 @@ warp w in 0..3, lane th in 0..31, off = [0, 1, 8, 9],
     row(th, v) = 16 kt + 2 (th % 4) + off[v % 4],   col(th, v) = 64 nt + 16 w + th // 4 + 8 (v // 4)
     4-bit: out[kt, 128 nt + 4 th + w]          field t = q[row(th, v), col(th, v)], v = [0,2,4,6,1,3,5,7][t]
     8-bit: out[kt, 256 nt + 8 th + 2 w + h]    field t = q[row(th, u), col(th, u)], u = 4 h + [0,2,1,3][t]
-Implementation (kernels/codecs/swar.py): int32 word permutes plus bitwise nibble/byte swaps on
-contiguous cache-sized row blocks; for 4-bit every output word is made of the same byte (th % 4) of
-four source words. The inverse (`marlin_unrepack`, tests and round trips) uses uint8 strided views
+Implementation (`marlin_repack4_words` / `marlin_repack8_words` below, built on
+kernels/codecs/word_ops.py): int32 word permutes plus bitwise nibble/byte swaps on contiguous
+cache-sized row blocks; for 4-bit every output word is made of the same byte (th % 4) of four
+source words. The inverse (`marlin_unrepack`, tests and round trips) uses uint8 strided views
 and, for 8-bit, one cached 1024-entry gather per tile.
 Act-order: output row k reads source row perm[k] (perm = `sort_g_idx(g_idx)[1]`).
 
@@ -24,7 +26,14 @@ from functools import cache
 import torch
 
 from kernels.codecs.bitpack import pack_cols, pack_rows, unpack_cols, unpack_rows
-from kernels.codecs.swar import marlin_repack4_words, marlin_repack8_words, serial_ops
+from kernels.codecs.word_ops import (
+    HI_NIBBLES,
+    LO_NIBBLES,
+    delta_swap,
+    for_each_block,
+    hugepage_empty,
+    serial_ops,
+)
 from kernels.errors import LayoutError
 
 MARLIN_TILE = 16
@@ -251,3 +260,64 @@ def _zero_point_index(bits: int) -> torch.Tensor:
     il = torch.tensor(MARLIN_INTERLEAVE[bits])
     pos = torch.arange(64)
     return scale_perm[(pos // len(il)) * len(il) + il[pos % len(il)]]
+
+
+def marlin_repack4_words(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """(K / 8, N) int32 standard-packed -> (K / 16, N * 2) int32 Marlin 4-bit layout.
+
+    Per 16 x 64 tile, with A/B = rows 0-7 / 8-15 at column c and C/D the same at c + 8
+    (c = 16 w + cq), output word (cq, b, w) holds nibbles [A, B, C, D] of byte b low, then high:
+    four planes of one byte each (A.lo | B.lo << 4, C.lo | D.lo << 4, A.hi | B.hi << 4, ...) and a
+    4 x 4 byte transpose across the planes.
+    """
+    kt, nt = k // 16, n // 64
+    out = hugepage_empty((kt, nt, 8, 4, 4), torch.int32)  # [kt, nt, cq, b, w]
+    view = src.view(kt, 2, nt, 4, 2, 8)  # [kt, rp, nt, w, h, cq]
+
+    def block(blk: slice) -> None:
+        r = blk.stop - blk.start
+        q = torch.empty(2, 2, r, nt, 4, 8, dtype=torch.int32)  # [rp, h, kt, nt, w, cq]
+        q.copy_(view[blk].permute(1, 4, 0, 2, 3, 5))
+        p = torch.empty(4, r, nt, 4, 8, dtype=torch.int32)  # [byte j, kt, nt, w, cq]
+        t = torch.empty(r, nt, 4, 8, dtype=torch.int32)
+        for j, (lo, hi) in enumerate((((0, 0), (1, 0)), ((0, 1), (1, 1)))):
+            a, b = q[lo], q[hi]
+            torch.bitwise_and(a, LO_NIBBLES, out=p[j])  # low nibbles: a.lo | b.lo << 4
+            torch.bitwise_and(b, LO_NIBBLES, out=t)
+            p[j].bitwise_or_(t.bitwise_left_shift_(4))
+            torch.bitwise_right_shift(a, 4, out=p[j + 2])  # high nibbles: a.hi | b.hi << 4
+            p[j + 2].bitwise_and_(LO_NIBBLES).bitwise_or_(torch.bitwise_and(b, HI_NIBBLES, out=t))
+        pv = p.view(2, 2, r, nt, 4, 8)
+        s = q[0]  # quads are consumed: reuse as scratch
+        delta_swap(pv[0], pv[1], 16, 0x0000FFFF, s)
+        delta_swap(pv[:, 0], pv[:, 1], 8, 0x00FF00FF, s)
+        out[blk].copy_(p.permute(1, 2, 4, 0, 3))
+
+    for_each_block(kt, 8 * n, block)
+    return out.view(kt, n * 2)  # (K / 16, N * 16 / 8) int32
+
+
+def marlin_repack8_words(src: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """(K / 4, N) int32 (4 bytes along K) -> (K / 16, N * 4) int32 Marlin 8-bit layout.
+
+    Source word (kt, t0, trh, nt, w, h, tq) byte (trl, t1) lands in output word
+    (kt, nt, tq, trh, trl, w, h) byte (t1, t0): a 2 x 2 byte interleave of word pairs t0 = 0, 1
+    (one 16-bit delta swap between them, one byte swap inside each word) plus a word permute.
+    """
+    kt, nt = k // 16, n // 64
+    out = hugepage_empty((kt, nt, 8, 2, 2, 4, 2), torch.int32)  # [kt, nt, tq, trh, trl, w, h]
+    view = src.view(kt, 2, 2, nt, 4, 2, 8)  # [kt, t0, trh, nt, w, h, tq]
+
+    def block(blk: slice) -> None:
+        p = torch.empty(2, blk.stop - blk.start, 2, nt, 4, 2, 8, dtype=torch.int32)
+        p.copy_(view[blk].transpose(0, 1))  # [t0 -> trl after the swap, kt, trh, nt, w, h, tq]; a copy
+        s = torch.empty_like(p)
+        delta_swap(p[0], p[1], 16, 0x0000FFFF, s[0])  # p[trl] = [x(trl,0), x(trl,1), y(trl,0), y(trl,1)]
+        torch.bitwise_right_shift(p, 8, out=s)  # swap bytes 1 and 2 of every word
+        s.bitwise_xor_(p).bitwise_and_(0x0000FF00)
+        p.bitwise_xor_(s)
+        p.bitwise_xor_(s.bitwise_left_shift_(8))
+        out[blk].copy_(p.permute(1, 3, 6, 2, 0, 4, 5))
+
+    for_each_block(kt, 16 * n, block)
+    return out.view(kt, n * 4)  # (K / 16, N * 16 / 4) int32

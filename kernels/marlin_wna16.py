@@ -1,7 +1,7 @@
 """marlin_wna16: int4/int8 weight-only GEMM on vLLM's Marlin layout, read directly by a Triton kernel.
 
 Targets sm80/sm86/sm89/sm90 (sm75 takes gptq_wna16). Stored tensors (per rank, bytes identical to
-vLLM's gptq_marlin_repack / marlin_permute_scales / marlin_zero_points, formats.md §4):
+vLLM's gptq_marlin_repack / marlin_permute_scales / marlin_zero_points, docs/formats.md §4):
     qweight  (K // 16, N * bits // 2) int32   Marlin tiles; with act-order rows are in `perm` order
     scales   (G, N) act dtype                 Marlin-permuted (grouped perm iff group_size < K)
     zeros    (G, N * bits // 32) int32        4-bit asymmetric only (uint4): permuted + interleaved

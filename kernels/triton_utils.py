@@ -5,7 +5,7 @@ A kernel's `apply` runs its Triton kernel on CUDA tensors; on CPU tensors it run
 through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before Triton was first imported,
 and otherwise falls back to the kernel's pure-torch reference twin.
 
-The interpreter's fp32/fp16 -> e4m3 downcast rounds wrongly (toolchain.md); kernels that cast to
+The interpreter's fp32/fp16 -> e4m3 downcast rounds wrongly (docs/formats.md §17.1); kernels that cast to
 fp8 inside Triton take an ``INTERPRET`` constexpr and round onto the e4m3 grid first (a no-op on GPU).
 The interpreter also mishandles bfloat16 (measured here): ``tl.dot`` on bf16 operands returns garbage
 (it reads the bits as integers), int -> bf16 casts give NaN, and fp32 -> bf16 casts truncate instead

@@ -1,12 +1,12 @@
-"""Alembic environment: the URL comes from the caller (`kiln db`) or from Kiln's Settings."""
+"""Alembic environment: the URL comes from the caller (`kiln db`) or from Kiln's service settings."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from runtime.settings import get_settings
 from services.db.models import Base
+from services.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,6 +1,6 @@
 """Perplexity of a causal LM over a fixed text, comparable across Kiln artifacts and peers.
 
-The protocol (the one the reference figures in `../shared/toolchain.md` were measured with): tokenize
+The protocol (the one the reference figures in `docs/formats.md §17.3` were measured with): tokenize
 the text without special tokens, keep the first `max_tokens` (2048) tokens, cut them into
 non-overlapping windows of `window` (512) tokens, run each window from an empty context, and score
 every token of a window but its first (511 predictions per window). Perplexity is

@@ -119,6 +119,7 @@ class ShardLayout:
     module: str  # checkpoint module name, e.g. model.layers.0.self_attn.k_proj
     size: int  # output features (whole layer)
     heads: int = 0  # attention heads in this shard (q/k/v), 0 otherwise
+    replicable: bool = False  # KV heads: copied to several ranks when there are fewer than tp
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ def llama_decoder_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
     mlp = f"model.layers.{layer}.mlp"
     qkv = (
         ShardLayout(f"{attn}.q_proj", cfg.num_heads * hd, cfg.num_heads),
-        ShardLayout(f"{attn}.k_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
-        ShardLayout(f"{attn}.v_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads),
+        ShardLayout(f"{attn}.k_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads, replicable=True),
+        ShardLayout(f"{attn}.v_proj", cfg.num_kv_heads * hd, cfg.num_kv_heads, replicable=True),
     )
     return [
         LinearLayout(f"{attn}.qkv_proj", qkv, h, False, CLASS_QKV, layer),
@@ -211,7 +212,7 @@ def shard_rows(shard: ShardLayout, layout: LinearLayout, cfg: ModelConfig, rank:
     if shard.heads:
         head = cfg.head_dim
         heads = shard.heads
-        if heads >= tp:
+        if heads >= tp or not shard.replicable:
             if heads % tp:
                 raise UnsupportedError(f"{shard.module}: {heads} heads cannot be split over tp={tp}")
             per = heads // tp

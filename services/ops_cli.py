@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from runtime.settings import Settings, get_settings
 from services.redact import redact_url
+from services.settings import ServiceSettings, get_settings
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -58,7 +58,7 @@ def ensure_bootstrap_token() -> None:
     console.print(f"[bold]created an admin API token[/bold]; saved to {path.resolve()}")
 
 
-def startup_banner(settings: Settings, host: str, port: int) -> str:
+def startup_banner(settings: ServiceSettings, host: str, port: int) -> str:
     mode = f"celery on {redact_url(settings.broker_url)}" if settings.broker_url else "embedded worker"
     return f"kiln api on http://{host}:{port} ({mode}; store {redact_url(settings.resolved_store_url)})"
 
@@ -88,9 +88,9 @@ def worker(
     settings = get_settings()
     if not settings.broker_url:
         raise typer.BadParameter("KILN_BROKER_URL is not set: `kiln worker` needs a Redis broker")
-    from services.worker.app import app as celery_app
+    from services.worker.app import worker_app
 
-    celery_app.worker_main(
+    worker_app().worker_main(
         [
             "worker",
             "--pool=prefork",
@@ -109,8 +109,9 @@ def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply migrations up to REVISION (default: head)."""
     from services.db import migrate
 
-    migrate.upgrade(get_settings().resolved_database_url, revision)
-    console.print(f"database at {migrate.current(get_settings().resolved_database_url)}")
+    url = get_settings().resolved_database_url
+    migrate.upgrade(url, revision)
+    console.print(f"database at {migrate.current(url)}")
 
 
 @db_app.command("downgrade")
@@ -118,8 +119,9 @@ def db_downgrade(revision: Annotated[str, typer.Argument()] = "-1") -> None:
     """Revert migrations down to REVISION (default: one step; `base` empties the schema)."""
     from services.db import migrate
 
-    migrate.downgrade(get_settings().resolved_database_url, revision)
-    console.print(f"database at {migrate.current(get_settings().resolved_database_url)}")
+    url = get_settings().resolved_database_url
+    migrate.downgrade(url, revision)
+    console.print(f"database at {migrate.current(url)}")
 
 
 @db_app.command("current")
@@ -198,7 +200,7 @@ def reconcile() -> None:
     """Re-enqueue queued/running jobs that have no live broker message (e.g. after a Redis restart)."""
     from services.worker.reconcile import reconcile_once
 
-    ids = reconcile_once(get_settings())
+    ids = reconcile_once(get_settings())  # a one-off pass: its own Celery dispatcher
     typer.echo(f"re-enqueued {len(ids)} job(s)" + (": " + ", ".join(ids) if ids else ""))
 
 

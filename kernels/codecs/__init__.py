@@ -1,6 +1,6 @@
 """Source-format codecs: checkpoint tensors (GPTQ, AWQ, compressed-tensors, FP8) <-> canonical weights.
 
-Pure torch on CPU, vectorized; layouts as in formats.md §1-§5.
+Pure torch on CPU, vectorized; layouts as in docs/formats.md §1-§5.
 """
 
 from kernels.codecs.awq import awq_to_standard, decode_awq, encode_awq

@@ -1,4 +1,4 @@
-"""AutoAWQ "GEMM" checkpoints (formats.md §2) <-> canonical `IntWeight`, and vLLM's AWQ -> standard step.
+"""AutoAWQ "GEMM" checkpoints (docs/formats.md §2) <-> canonical `IntWeight`, and vLLM's AWQ -> standard step.
 
     qweight (K, N * bits / 32) int32   packed along N in AWQ order: nibble i of int32 column c holds
                                        output column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] (8-bit: [0, 2, 1, 3])
@@ -15,7 +15,12 @@ import torch
 
 from kernels.base import IntWeight
 from kernels.codecs.bitpack import pack_cols, pack_rows
-from kernels.codecs.swar import awq4_to_standard_rows, serial_ops
+from kernels.codecs.word_ops import (
+    for_each_block,
+    hugepage_empty,
+    nibble_transpose8,
+    serial_ops,
+)
 from kernels.errors import LayoutError
 
 AWQ_PACK_ORDER: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
@@ -67,7 +72,7 @@ def encode_awq(w: IntWeight) -> dict[str, torch.Tensor]:
 def awq_to_standard(
     qweight: torch.Tensor, qzeros: torch.Tensor, *, bits: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's `_convert_awq_to_standard_format` (formats.md §2.3).
+    """vLLM's `_convert_awq_to_standard_format` (docs/formats.md §2.3).
 
     Returns (qweight_std (K * bits / 32, N) int32 packed along K, unsigned codes without bias;
              zero_point (N * bits / 32, G) int32, the compressed-tensors weight_zero_point layout).
@@ -129,3 +134,27 @@ def _check(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int) -> None:
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
         if t.dtype != torch.int32 or t.dim() != 2:
             raise LayoutError(f"AWQ {name} must be a 2-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+
+
+_AWQ4_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) of AWQ nibble position i
+
+
+def awq4_to_standard_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """(K, N / 8) int32 in AWQ nibble order (K % 8 == 0) -> (K / 8, N) int32 packed along K.
+
+    Each block of 8 rows x 1 word is an 8 x 8 nibble matrix; transposing it leaves word i holding
+    the 8 rows of AWQ nibble position i, i.e. of output column 8 c + _AWQ4_COLUMN[i].
+    """
+    k, w = qweight.shape
+    kw = k // 8
+    out = hugepage_empty((kw, w, 8), torch.int32)
+    src = qweight.view(kw, 8, w)
+
+    def block(blk: slice) -> None:
+        v = src[blk].clone()
+        nibble_transpose8(v, torch.empty(v.shape[0], 4, w, dtype=torch.int32))
+        for i, col in enumerate(_AWQ4_COLUMN):
+            out[blk, :, col].copy_(v[:, i])
+
+    for_each_block(kw, 32 * w, block)
+    return out.view(kw, 8 * w)  # (K / 8, N) int32

@@ -1,4 +1,4 @@
-"""Standard bit packing of small unsigned integers into little-endian int32 words (formats.md §0, §1.1).
+"""Standard bit packing of small unsigned integers into little-endian int32 words (docs/formats.md §0, §1.1).
 
 "Standard packing": element ``t`` of a run of ``pf = 32 // bits`` consecutive elements sits in bits
 ``[bits*t, bits*t + bits)`` of its word, low bits first. 2/4/8-bit packing is built from byte
@@ -23,12 +23,6 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("kernels.codecs.bitpack reinterprets bytes as little-endian int32 words")
-
-
-def values_per_word(bits: int) -> float:
-    """Values per int32 word (32/3 for 3-bit)."""
-    _check_bits(bits)
-    return 32 / bits
 
 
 def packed_length(length: int, bits: int) -> int:

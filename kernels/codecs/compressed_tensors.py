@@ -1,4 +1,4 @@
-"""compressed-tensors integer layouts (formats.md §3.2) <-> canonical `IntWeight`.
+"""compressed-tensors integer layouts (docs/formats.md §3.2) <-> canonical `IntWeight`.
 
 pack-quantized (W4A16 / W8A16):
     weight_packed      (N, ceil(K * bits / 32)) int32  packed along K, standard order

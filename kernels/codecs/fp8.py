@@ -1,4 +1,4 @@
-"""FP8 e4m3fn quantization with vLLM's semantics (formats.md §5.2, §5.3) and an exact e4m3 rounding.
+"""FP8 e4m3fn quantization with vLLM's semantics (docs/formats.md §5.2, §5.3) and an exact e4m3 rounding.
 
 Strategies (all scales are multipliers, w ~= q * scale, float32):
 * "tensor":  scale = amax / 448 per shard (one per entry of `shard_sizes`, as a checkpoint holding
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.base import Fp8Strategy, Fp8Weight
-from kernels.codecs.swar import for_each_block, hugepage_empty, serial_ops
+from kernels.codecs.word_ops import for_each_block, hugepage_empty, serial_ops
 from kernels.errors import LayoutError
 
 E4M3_MAX = 448.0
@@ -36,7 +36,7 @@ def quantize_fp8(
     """(N, K) float weight -> `Fp8Weight` (e4m3fn codes + float32 multiplier scales).
 
     Row blocks run on torch.get_num_threads() Python threads with one intra-op thread each
-    (kernels/codecs/swar.py `for_each_block`), so a busy machine does not stall OpenMP teams.
+    (kernels/codecs/word_ops.py `for_each_block`), so a busy machine does not stall OpenMP teams.
     """
     if w.dim() != 2 or not w.dtype.is_floating_point:
         raise LayoutError(f"FP8 quantization needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
@@ -107,7 +107,7 @@ def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
     Normals (|x| >= 2^-6): add the round-to-nearest-even bias to the fp32 bit pattern and clear all
     but 3 mantissa bits. Subnormals: round to a multiple of 2^-9 (torch.round is half-to-even).
     Casting the result to float8_e4m3fn is then exact, which sidesteps the Triton interpreter's
-    faulty fp32 -> e4m3 downcast (toolchain.md).
+    faulty fp32 -> e4m3 downcast (docs/formats.md §17.1).
     """
     if x.dtype != torch.float32:
         raise LayoutError(f"round_to_e4m3_grid takes float32, got {x.dtype}")

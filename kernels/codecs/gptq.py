@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (AutoGPTQ / GPTQModel, formats.md §1) <-> canonical `IntWeight`.
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel, docs/formats.md §1) <-> canonical `IntWeight`.
 
     qweight (K * bits / 32, N) int32   codes packed along K, standard order (3-bit: AutoGPTQ scheme)
     qzeros  (G, N * bits / 32) int32   zero points packed along N; v1 stores zero - 1, v2 the zero
@@ -15,7 +15,7 @@ import torch
 
 from kernels.base import IntWeight
 from kernels.codecs.bitpack import pack_cols, packed_capacity, unpack_cols
-from kernels.codecs.swar import serial_ops, unpack4_transposed
+from kernels.codecs.word_ops import for_each_block, hugepage_empty, nibbles_to_bytes, serial_ops
 from kernels.errors import LayoutError
 
 
@@ -190,3 +190,19 @@ def _canonical_g_idx(g_idx: torch.Tensor | None, k: int, g: int, group_size: int
         else torch.arange(k, dtype=torch.int32) // group_size
     )
     return None if torch.equal(gi, trivial) else gi.contiguous()
+
+
+def unpack4_transposed(packed: torch.Tensor) -> torch.Tensor:
+    """(K / 8, N) int32 packed along K (standard nibble order) -> (N, K) uint8 codes."""
+    kw, n = packed.shape
+    out = hugepage_empty((n, kw * 4), torch.int16)  # (N, K / 2) int16 = (N, K) uint8
+
+    words = hugepage_empty((n, kw), torch.int32)
+    words.copy_(packed.T)  # one whole 2-D int32 transpose: torch's blocked fast path
+
+    def block(blk: slice) -> None:
+        scratch = torch.empty(blk.stop - blk.start, kw * 4, dtype=torch.int16)
+        nibbles_to_bytes(words[blk], out[blk], scratch)
+
+    for_each_block(n, 4 * kw, block)
+    return out.view(torch.uint8).view(n, kw * 8)

@@ -5,7 +5,8 @@ Artifact layout (a local directory or an S3 key prefix, immutable once committed
 
     manifest.json                       this document
     config.json, tokenizer files        copied from the source
-    rank{r}.safetensors                 (or rank{r}-{i}-of-{n}.safetensors) tensors of TP rank r
+    rank{r}.safetensors                 tensors of TP rank r (the loader maps whatever rank files the
+                                        manifest lists for r)
 
 Tensor names inside rank files: linear layers use `{layer}.{suffix}` with the layer's runtime name
 (fused: `...self_attn.qkv_proj`, `...mlp.gate_up_proj`) and the kernel's suffixes; every other

@@ -43,7 +43,8 @@ from runtime.artifact.manifest import (
     is_artifact_id,
     sha256_file,
 )
-from runtime.settings import Settings, get_settings
+from runtime.artifact.s3_client import make_client
+from runtime.settings import RuntimeSettings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def pull(
     rank: int | None = None,
     progress: ProgressFn | None = None,
     *,
-    settings: Settings | None = None,
+    settings: RuntimeSettings | None = None,
     chunk_size: int = CHUNK_SIZE,
     workers: int = WORKERS,
 ) -> Path:
@@ -165,7 +166,7 @@ class _S3Pull:
         cache_dir: Path,
         rank: int | None,
         progress: ProgressFn | None,
-        settings: Settings,
+        settings: RuntimeSettings,
         chunk_size: int,
         workers: int,
     ) -> None:
@@ -192,21 +193,7 @@ class _S3Pull:
         self._fetched = 0
 
     def _client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        s = self.settings
-        return boto3.client(
-            "s3",
-            endpoint_url=s.s3_endpoint_url,
-            region_name=s.s3_region,
-            aws_access_key_id=s.s3_access_key_id,
-            aws_secret_access_key=s.s3_secret_access_key,
-            config=Config(
-                max_pool_connections=max(10, self.workers * 2),
-                retries={"max_attempts": s.s3_max_attempts, "mode": "standard"},
-            ),
-        )
+        return make_client(self.settings, max_pool_connections=max(10, self.workers * 2))
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"

@@ -1,6 +1,7 @@
 """The FastAPI application factory.
 
-`create_app()` reads the one Settings object. With a broker URL the API publishes job ids to Celery;
+`create_app()` takes the process's settings object (default: `services.settings.get_settings()`).
+With a broker URL the API publishes job ids to Celery (one Celery app, built with its dispatcher);
 without one (the embedded default) it runs jobs in worker threads next to itself. Migrations are a
 separate step (`kiln db upgrade`); `kiln api` runs them at start only for an embedded SQLite database.
 """
@@ -16,22 +17,23 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry, Gauge
 
 from runtime.body_limit import BodySizeLimit
-from runtime.settings import Settings, get_settings
 from services.api.errors import install_handlers
-from services.api.middleware import RequestMetrics
+from services.api.middleware import HttpMetrics
 from services.api.routes import artifacts, conversions, health
+from services.settings import ServiceSettings, get_settings
+from services.worker.celery_app import make_celery
 from services.worker.dispatch import CeleryDispatcher, Dispatcher
 
 
-def make_dispatcher(settings: Settings) -> Dispatcher:
+def make_dispatcher(settings: ServiceSettings) -> Dispatcher:
     if settings.broker_url:
-        return CeleryDispatcher(settings)
+        return CeleryDispatcher(settings, make_celery(settings))
     from services.worker.embedded import EmbeddedWorker
 
     return EmbeddedWorker(settings, threads=settings.embedded_workers)
 
 
-def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
+def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -72,5 +74,5 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
             expose_headers=["Location"],
         )
-    app.add_middleware(RequestMetrics, registry=registry)
+    app.add_middleware(HttpMetrics, registry=registry)
     return app

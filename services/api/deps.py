@@ -9,11 +9,11 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from runtime.settings import Settings
 from services.api.errors import forbidden, store_unavailable, unauthorized
 from services.db import repo
 from services.db.models import ApiToken
 from services.db.session import session_factory
+from services.settings import ServiceSettings
 from services.storage import open_store
 from services.storage.base import ArtifactStore
 from services.worker.dispatch import Dispatcher
@@ -21,11 +21,11 @@ from services.worker.dispatch import Dispatcher
 _bearer = HTTPBearer(auto_error=False, description="API token from `kiln admin create-token`")
 
 
-def get_settings_dep(request: Request) -> Settings:
+def get_settings_dep(request: Request) -> ServiceSettings:
     return request.app.state.settings
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SettingsDep = Annotated[ServiceSettings, Depends(get_settings_dep)]
 
 
 def get_session(settings: SettingsDep) -> Iterator[Session]:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class RequestMetrics:
+class HttpMetrics:
     """Counts requests and observes latency per route template (not per raw path: bounded labels)."""
 
     def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:

@@ -20,7 +20,6 @@ import torch
 from services.convert.errors import ConversionError, UnsupportedError
 from services.convert.safetensors_io import (
     DTYPES,
-    FLOAT_DTYPES,
     TensorInfo,
     hash_file,
     parse_header,
@@ -80,9 +79,6 @@ class Checkpoint:
             return self.tensors[name]
         except KeyError as e:
             raise ConversionError(f"tensor {name!r} is missing from the checkpoint at {self.uri}") from e
-
-    def is_float(self, name: str) -> bool:
-        return self.info(name).dtype in FLOAT_DTYPES
 
     def modules_with(self, suffix: str) -> set[str]:
         tail = "." + suffix

@@ -85,13 +85,13 @@ def plan_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
-    from services.convert.api import open_and_detect, parse_targets
+    from services.convert.library import open_and_detect, parse_targets
     from services.convert.plan import build_plan
 
     try:
-        from runtime.settings import Settings
+        from services.settings import get_settings
 
-        settings = Settings()
+        settings = get_settings()
         targets = parse_targets(target)
         ckpt, fmt = open_and_detect(source, settings)
         plans = [
@@ -127,11 +127,11 @@ def convert_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
-    from runtime.settings import Settings
-    from services.convert.api import ConversionRequest, convert, parse_targets
-    from services.convert.api import Progress as Step
+    from services.convert.library import ConversionRequest, convert, parse_targets
+    from services.convert.library import Progress as Step
+    from services.settings import get_settings
 
-    settings = Settings()
+    settings = get_settings()
     try:
         req = ConversionRequest(
             source=source, targets=parse_targets(target), method=method, tp=tp, fp8_scheme=fp8_scheme,

@@ -1,4 +1,4 @@
-"""Format detection with vLLM's precedence (formats.md §7), plus pluggable third-party formats.
+"""Format detection with vLLM's precedence (docs/formats.md §7), plus pluggable third-party formats.
 
 The quantization config comes from config.json `quantization_config`, else `compression_config`,
 else `text_config.quantization_config`; unlike vLLM, a checkpoint holding only quantize_config.json
@@ -9,6 +9,7 @@ as vLLM gives externally registered methods precedence.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from importlib.metadata import entry_points
@@ -17,23 +18,28 @@ from typing import Any
 from kernels.errors import KilnError, UnsupportedError
 from services.convert.checkpoint import QUANT_SIDE_CONFIGS, Checkpoint
 from services.convert.errors import QuantConfigError
-from services.convert.formats.awq import AwqFormat
 from services.convert.formats.base import SUPPORTED_FORMATS_MESSAGE, CheckpointFormat
-from services.convert.formats.compressed_tensors import CompressedTensorsFormat
-from services.convert.formats.dense import DenseFormat
-from services.convert.formats.fp8 import Fp8Format
-from services.convert.formats.gptq import GptqFormat
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kiln.formats"
-BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = (
-    GptqFormat,
-    AwqFormat,
-    Fp8Format,
-    CompressedTensorsFormat,
-    DenseFormat,
+# Every built-in format ("module:Class"), in detection order (vLLM's precedence). Adding a format is
+# its file in services/convert/formats/ plus one line here.
+FORMATS: tuple[str, ...] = (
+    "services.convert.formats.gptq:GptqFormat",
+    "services.convert.formats.awq:AwqFormat",
+    "services.convert.formats.fp8:Fp8Format",
+    "services.convert.formats.compressed_tensors:CompressedTensorsFormat",
+    "services.convert.formats.dense:DenseFormat",
 )
+
+
+def _load(path: str) -> type[CheckpointFormat]:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+
+
+BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(_load, FORMATS))
 KNOWN_UNSUPPORTED = {
     "bitsandbytes": "bitsandbytes checkpoints are not supported (dequantize to bf16 and use --method fp8)",
     "gguf": "GGUF input is not supported yet",

@@ -1,4 +1,4 @@
-"""Tensor-parallel slicing and fusing of canonical weights (formats.md §9), done before layout prep.
+"""Tensor-parallel slicing and fusing of canonical weights (docs/formats.md §9), done before layout prep.
 
 Column-parallel layers (qkv_proj, gate_up_proj) split output features per shard: q by attention
 heads, k/v by KV heads (replicated when kv_heads < tp: rank r holds KV head r // (tp // kv_heads)),

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from runtime.settings import Settings, get_settings
+from services.settings import ServiceSettings
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
@@ -32,8 +32,8 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800)
 
 
-def get_engine(settings: Settings | None = None) -> Engine:
-    url = (settings or get_settings()).resolved_database_url
+def get_engine(settings: ServiceSettings) -> Engine:
+    url = settings.resolved_database_url
     with _lock:
         engine = _engines.get(url)
         if engine is None:
@@ -53,12 +53,12 @@ def dispose_engines(close: bool = False) -> None:
         _engines.clear()
 
 
-def session_factory(settings: Settings | None = None) -> sessionmaker[Session]:
+def session_factory(settings: ServiceSettings) -> sessionmaker[Session]:
     return sessionmaker(get_engine(settings), expire_on_commit=False)
 
 
 @contextmanager
-def session_scope(settings: Settings | None = None) -> Iterator[Session]:
+def session_scope(settings: ServiceSettings) -> Iterator[Session]:
     """A session in a transaction: committed on success, rolled back on error."""
     with session_factory(settings)() as session, session.begin():
         yield session

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.settings import get_settings
 from services.storage.base import ArtifactStore, ArtifactWriter, SourceReader
 from services.storage.errors import ArtifactExistsError, NotFoundError, StorageError
 
 if TYPE_CHECKING:
-    from runtime.settings import Settings
+    from runtime.settings import RuntimeSettings
+    from services.settings import ServiceSettings
 
 __all__ = [
     "ArtifactExistsError",
@@ -22,31 +24,25 @@ __all__ = [
 ]
 
 
-def _settings(settings: Settings | None) -> Settings:
-    if settings is not None:
-        return settings
-    from runtime.settings import Settings
-
-    return Settings()
-
-
-def open_store(url: str, settings: Settings | None = None) -> ArtifactStore:
-    """`s3://bucket/prefix` -> S3Store; anything else is a local directory (created if missing)."""
+def open_store(url: str, settings: ServiceSettings | None = None) -> ArtifactStore:
+    """`s3://bucket/prefix` -> S3Store; anything else is a local directory (created if missing).
+    An S3 store reads its client settings from `settings` (None: the process's settings)."""
     if url.startswith("s3://"):
         from services.storage.s3 import S3Store
 
-        return S3Store(url, _settings(settings))
+        return S3Store(url, settings or get_settings())
     from services.storage.local import LocalStore
 
     return LocalStore(url.removeprefix("file://"))
 
 
-def open_source(uri: str, settings: Settings | None = None) -> SourceReader:
-    """`s3://bucket/prefix` -> S3Source (ranged GETs); anything else is a local checkpoint directory."""
+def open_source(uri: str, settings: RuntimeSettings | None = None) -> SourceReader:
+    """`s3://bucket/prefix` -> S3Source (ranged GETs); anything else is a local checkpoint directory.
+    An S3 source reads its client settings from `settings` (None: the process's settings)."""
     if uri.startswith("s3://"):
         from services.storage.s3 import S3Source
 
-        return S3Source(uri, _settings(settings))
+        return S3Source(uri, settings or get_settings())
     from services.storage.local import LocalSource
 
     return LocalSource(uri.removeprefix("file://"))

@@ -3,7 +3,9 @@
 An artifact is written through an `ArtifactWriter`: files are staged out of sight, and `commit`
 writes `manifest.json` last, which makes the artifact visible under `{store}/{artifact_id}/`
 atomically (local: a directory rename; S3: the manifest object is the commit point). `abort`
-removes everything staged, so a failed conversion leaves nothing visible.
+removes everything staged, so a failed conversion leaves nothing visible. What a killed writer
+staged stays behind, out of sight: `discard_staged` removes it once its artifact is committed, and
+`sweep_staging` removes staging older than any live writer can be.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import hashlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-MANIFEST_NAME = "manifest.json"
 HASH_CHUNK = 8 << 20
 
 
@@ -70,6 +71,16 @@ class ArtifactStore(ABC):
     @abstractmethod
     def list_ids(self) -> list[str]:
         """Ids of committed artifacts, sorted."""
+
+    @abstractmethod
+    def discard_staged(self, aid: str) -> int:
+        """Remove what earlier (dead) writers staged for `aid`; returns how many items were removed."""
+
+    @abstractmethod
+    def sweep_staging(self, older_than_s: float) -> int:
+        """Remove staging left by writers that died or lost the store, untouched for `older_than_s`
+        seconds (no live writer stages for longer than a job's hard time limit); returns how many
+        items were removed."""
 
 
 class SourceReader(ABC):

@@ -12,7 +12,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-from services.storage.base import HASH_CHUNK, MANIFEST_NAME, ArtifactStore, ArtifactWriter, SourceReader
+from runtime.artifact.manifest import MANIFEST_NAME
+from services.storage.base import HASH_CHUNK, ArtifactStore, ArtifactWriter, SourceReader
 from services.storage.errors import ArtifactExistsError, NotFoundError, StorageError
 from services.storage.keys import check_artifact_id, check_name, resolve_inside
 
@@ -148,6 +149,12 @@ class LocalStore(ArtifactStore):
         for entry in gone:
             shutil.rmtree(entry, ignore_errors=True)
         return len(gone)
+
+    def sweep_staging(self, older_than_s: float) -> int:
+        """No age-based sweep for a local store: its staging directory is shared with writers that
+        have no time limit (`kiln convert`, the embedded worker), so age does not prove a writer
+        dead. A dead writer's staging is removed by `discard_staged` when its artifact is committed."""
+        return 0
 
     def staging_entries(self) -> list[Path]:
         """Leftover staging directories (for tests and cleanup tools)."""

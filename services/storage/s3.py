@@ -17,12 +17,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.storage.base import HASH_CHUNK, MANIFEST_NAME, ArtifactStore, ArtifactWriter, SourceReader
+from runtime.artifact.manifest import MANIFEST_NAME
+from runtime.artifact.s3_client import make_client
+from services.storage.base import HASH_CHUNK, ArtifactStore, ArtifactWriter, SourceReader
 from services.storage.errors import ArtifactExistsError, NotFoundError, StorageError
 from services.storage.keys import check_artifact_id, check_name, join_prefix
 
 if TYPE_CHECKING:
-    from runtime.settings import Settings
+    from runtime.settings import RuntimeSettings
+    from services.settings import ServiceSettings
 
 STAGING_PREFIX = ".staging"
 
@@ -42,29 +45,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def make_client(settings: Settings) -> Any:
-    """A boto3 S3 client configured from Settings (endpoint, credentials, region, retries)."""
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        region_name=settings.s3_region,
-        retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
-        s3={"addressing_style": "path"},
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    return boto3.session.Session().client(
-        "s3",
-        endpoint_url=settings.s3_endpoint_url,
-        aws_access_key_id=settings.s3_access_key_id,
-        aws_secret_access_key=settings.s3_secret_access_key,
-        region_name=settings.s3_region,
-        config=config,
-    )
-
-
-def transfer_config(settings: Settings) -> Any:
+def transfer_config(settings: ServiceSettings) -> Any:
     from boto3.s3.transfer import TransferConfig
 
     chunk = settings.s3_multipart_chunk_mb << 20
@@ -173,7 +154,7 @@ class S3Writer(ArtifactWriter):
 
 
 class S3Store(ArtifactStore):
-    def __init__(self, url: str, settings: Settings, client: Any | None = None) -> None:
+    def __init__(self, url: str, settings: ServiceSettings, client: Any | None = None) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.settings = settings
         self.client = client or make_client(settings)
@@ -282,7 +263,7 @@ class S3Store(ArtifactStore):
 class S3Source(SourceReader):
     """A checkpoint under s3://bucket/prefix, read with ranged GETs."""
 
-    def __init__(self, url: str, settings: Settings, client: Any | None = None) -> None:
+    def __init__(self, url: str, settings: RuntimeSettings, client: Any | None = None) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.client = client or make_client(settings)
         self.uri = url.rstrip("/")

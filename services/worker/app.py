@@ -1,67 +1,44 @@
-"""The Celery application: `celery -A services.worker.app worker` (or `kiln worker`).
+"""The Celery worker's entry point: `celery -A services.worker.app worker` (or `kiln worker`).
 
-At-least-once delivery that survives a dead worker: `acks_late` + `task_reject_on_worker_lost`
-(a message is acknowledged only after the task returns; a killed child puts it back), prefetch 1
-(a worker holds one job at a time), a broker visibility timeout above the longest allowed job (a
-message held by a dead worker comes back after it), and soft/hard time limits below that timeout.
-The attempt counter in SQL bounds redeliveries (see services/jobs.py).
+`worker_app()` builds the worker's Celery app once per process, on first use (Celery's `-A` looks
+up this module's `app`, which resolves to it): `celery_app.make_celery` from the process settings,
+with the conversion task registered. When the worker is ready, a reconciler thread starts with a
+dispatcher over that same app (see services/worker/reconcile.py). Delivery guarantees are described
+in services/worker/celery_app.py.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from functools import cache
 
 from celery import Celery
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
-from runtime.settings import Settings, get_settings
 from services.db.session import dispose_engines
+from services.settings import get_settings
+from services.worker import tasks
+from services.worker.celery_app import make_celery
+from services.worker.dispatch import CeleryDispatcher
+from services.worker.reconcile import reconcile_forever
 
 log = logging.getLogger(__name__)
-TASK_NAME = "kiln.convert"
-DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
 
-def transport_options(settings: Settings) -> dict[str, Any]:
-    opts: dict[str, Any] = {"visibility_timeout": settings.broker_visibility_timeout_s}
-    if settings.broker_restore_interval_s is not None:
-        opts["unacked_restore_interval"] = settings.broker_restore_interval_s
-        opts["unacked_restore_throttle"] = 1
-    return opts
+@cache
+def worker_app() -> Celery:
+    """The worker's Celery app (one per process), with `kiln.convert` registered."""
+    settings = get_settings()
+    app = make_celery(settings)
+    tasks.register(app, settings)
+    return app
 
 
-def make_celery(settings: Settings) -> Celery:
-    if settings.job_hard_time_limit_s >= settings.broker_visibility_timeout_s:
-        log.warning(
-            "KILN_BROKER_VISIBILITY_TIMEOUT_S (%d) should exceed KILN_JOB_HARD_TIME_LIMIT_S (%d), "
-            "or a long job is redelivered while it still runs",
-            settings.broker_visibility_timeout_s,
-            settings.job_hard_time_limit_s,
-        )
-    celery = Celery("kiln", broker=settings.broker_url or DEFAULT_BROKER, include=["services.worker.tasks"])
-    celery.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_ignore_result=True,
-        task_default_queue=settings.celery_queue,
-        task_routes={TASK_NAME: {"queue": settings.celery_queue}},
-        broker_transport_options=transport_options(settings),
-        task_soft_time_limit=settings.job_soft_time_limit_s,
-        task_time_limit=settings.job_hard_time_limit_s,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        worker_send_task_events=False,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],  # never pickle: messages carry a job id only
-    )
-    return celery
-
-
-app = make_celery(get_settings())
+def __getattr__(name: str) -> object:
+    if name == "app":  # `celery -A services.worker.app`
+        return worker_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @worker_process_init.connect
@@ -78,10 +55,12 @@ def _start_reconciler(**_: object) -> None:
     settings = get_settings()
     if settings.reconcile_interval_s <= 0:
         return
-    from services.worker.reconcile import reconcile_forever
-
+    dispatcher = CeleryDispatcher(settings, worker_app())  # closed with the worker's app, not here
     threading.Thread(
-        target=reconcile_forever, args=(settings, _reconciler_stop), name="kiln-reconciler", daemon=True
+        target=reconcile_forever,
+        args=(settings, dispatcher, _reconciler_stop),
+        name="kiln-reconciler",
+        daemon=True,
     ).start()
 
 

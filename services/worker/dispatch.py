@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from runtime.settings import Settings
+from services.worker.celery_app import TASK_NAME
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from services.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -22,20 +27,19 @@ class Dispatcher(Protocol):
 
 
 class CeleryDispatcher:
-    """Publishes `kiln.convert(job_id)` with a task id recorded in the job row beforehand."""
+    """Publishes `kiln.convert(job_id)` with a task id recorded in the job row beforehand.
 
-    def __init__(self, settings: Settings) -> None:
-        from services.worker.app import make_celery
+    It publishes through the Celery app it is given (built once per process by its owner, see
+    services/worker/celery_app.py); `close()` closes that app's connections."""
 
+    def __init__(self, settings: ServiceSettings, celery: Celery) -> None:
         self.settings = settings
-        self.celery = make_celery(settings)
+        self.celery = celery
 
     def new_task_id(self) -> str:
         return uuid.uuid4().hex
 
     def send(self, job_id: str, task_id: str | None) -> None:
-        from services.worker.app import TASK_NAME
-
         self.celery.send_task(TASK_NAME, args=[job_id], task_id=task_id, queue=self.settings.celery_queue)
 
     def healthy(self) -> tuple[bool, str]:

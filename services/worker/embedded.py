@@ -10,18 +10,18 @@ import logging
 import queue
 import threading
 
-from runtime.settings import Settings
 from services.db import repo
 from services.db.session import session_scope
-from services.jobs import TransientJobError, retry_delay, run_job
 from services.redact import redact_text
+from services.settings import ServiceSettings
+from services.worker.jobs import TransientJobError, retry_delay, run_job
 
 log = logging.getLogger(__name__)
 _STOP = "__stop__"
 
 
 class EmbeddedWorker:
-    def __init__(self, settings: Settings, threads: int = 1) -> None:
+    def __init__(self, settings: ServiceSettings, threads: int = 1) -> None:
         self.settings = settings
         self._queue: queue.Queue[str] = queue.Queue()
         self._threads = [

@@ -5,6 +5,9 @@ restarted, or publishing failed after the row was written), and a running job wh
 stopped while its message is no longer held, get a fresh task id (compare-and-set in SQL, so two
 reconcilers cannot both re-enqueue) and a new message. A superseded message that still turns up
 is refused by the job's task-id check.
+
+The reconciler publishes through the dispatcher it is given: the worker passes one over its own
+Celery app; a one-off pass (`reconcile_once(settings)`) opens its own and closes it.
 """
 
 from __future__ import annotations
@@ -13,19 +16,23 @@ import json
 import logging
 import threading
 from datetime import timedelta
+from functools import partial
 
-from runtime.settings import Settings
 from services.db import repo
 from services.db.models import utcnow
 from services.db.session import session_scope
 from services.redact import redact_text
+from services.settings import ServiceSettings
+from services.storage import open_store
+from services.worker.celery_app import make_celery
+from services.worker.dispatch import CeleryDispatcher, Dispatcher
 
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"
 QUEUED_GRACE_S = 10.0  # a row just written may not have been published yet
 
 
-def live_task_ids(settings: Settings) -> set[str]:
+def live_task_ids(settings: ServiceSettings) -> set[str]:
     """Task ids of messages waiting in the queue or held (unacked) by a worker, read from Redis."""
     import redis
 
@@ -53,10 +60,15 @@ def live_task_ids(settings: Settings) -> set[str]:
     return ids
 
 
-def reconcile_once(settings: Settings) -> list[str]:
-    """Re-enqueue orphaned jobs; returns their ids."""
-    from services.worker.dispatch import CeleryDispatcher
-
+def reconcile_once(settings: ServiceSettings, dispatcher: Dispatcher | None = None) -> list[str]:
+    """Re-enqueue orphaned jobs through `dispatcher` (None: a Celery dispatcher of its own, closed
+    before returning); returns their ids."""
+    if dispatcher is None:
+        own = CeleryDispatcher(settings, make_celery(settings))
+        try:
+            return reconcile_once(settings, own)
+        finally:
+            own.close()
     live = live_task_ids(settings)
     grace = utcnow() - timedelta(seconds=QUEUED_GRACE_S)
     with session_scope(settings) as s:
@@ -65,44 +77,36 @@ def reconcile_once(settings: Settings) -> list[str]:
             for j in repo.orphaned_jobs(s, stale_after_s=settings.job_stale_after_s)
             if j.task_id not in live and repo.as_aware(j.updated_at) < grace  # type: ignore[operator]
         ]
-    if not candidates:
-        return []
-    dispatcher = CeleryDispatcher(settings)
     requeued: list[str] = []
-    try:
-        for job_id, old in candidates:
-            new = dispatcher.new_task_id()
-            with session_scope(settings) as s:
-                if not repo.replace_task_id(s, job_id, old, new):
-                    continue
-            dispatcher.send(job_id, new)
-            requeued.append(job_id)
-            log.warning("reconciler: job %s had no live task (was %s); re-enqueued as %s", job_id, old, new)
-    finally:
-        dispatcher.close()
+    for job_id, old in candidates:
+        new = dispatcher.new_task_id()
+        with session_scope(settings) as s:
+            if not repo.replace_task_id(s, job_id, old, new):
+                continue
+        dispatcher.send(job_id, new)
+        requeued.append(job_id)
+        log.warning("reconciler: job %s had no live task (was %s); re-enqueued as %s", job_id, old, new)
     return requeued
 
 
-def sweep_stale_staging(settings: Settings) -> int:
+def sweep_stale_staging(settings: ServiceSettings) -> int:
     """Remove objects staged longer ago than the hard time limit (a writer that lost the store
     mid-upload could not remove them; once the store is back, this does). Returns the count."""
-    from services.storage import open_store
-
     store = open_store(settings.resolved_store_url, settings)
-    sweep = getattr(store, "sweep_staging", None)
-    if sweep is None:
-        return 0
-    removed = int(sweep(float(settings.job_hard_time_limit_s)))
+    removed = store.sweep_staging(float(settings.job_hard_time_limit_s))
     if removed:
         limit = settings.job_hard_time_limit_s
         log.warning("reconciler: removed %d staged object(s) older than %d s", removed, limit)
     return removed
 
 
-def reconcile_forever(settings: Settings, stop: threading.Event) -> None:
+def reconcile_forever(settings: ServiceSettings, dispatcher: Dispatcher, stop: threading.Event) -> None:
+    """Every `reconcile_interval_s` until `stop`: re-enqueue orphans through `dispatcher`, then sweep
+    stale staging. A failed pass is logged and the next one runs."""
+    steps = (partial(reconcile_once, settings, dispatcher), partial(sweep_stale_staging, settings))
     while not stop.wait(settings.reconcile_interval_s):
-        for step in (reconcile_once, sweep_stale_staging):
+        for step in steps:
             try:
-                step(settings)
+                step()
             except Exception as e:
-                log.warning("reconciler pass failed (%s): %s", step.__name__, redact_text(str(e)))
+                log.warning("reconciler pass failed (%s): %s", step.func.__name__, redact_text(str(e)))

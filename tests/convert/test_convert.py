@@ -14,7 +14,13 @@ from safetensors import safe_open
 from kernels.base import LinearSpec
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
-from services.convert.api import Cancelled, ConversionRequest, ConversionResult, VerificationError, convert
+from services.convert.library import (
+    Cancelled,
+    ConversionRequest,
+    ConversionResult,
+    VerificationError,
+    convert,
+)
 from services.storage.local import LocalStore
 
 # Reassembled artifacts vs the writer's true weights (max |diff| / max |w|): kernels that keep the

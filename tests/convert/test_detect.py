@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kernels.errors import UnsupportedError
-from services.convert.api import open_and_detect, plan
 from services.convert.errors import ConversionError
+from services.convert.library import open_and_detect, plan
 from tests.helpers.synthetic import write_checkpoint
 
 SUPPORTED_HINT = "Kiln supports: GPTQ"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from runtime.artifact.manifest import MANIFEST_NAME
-from services.convert.api import ConversionRequest, convert
+from services.convert.library import ConversionRequest, convert
 
 # name -> (synthetic checkpoint, target, tp, method, fp8 scheme)
 CASES: dict[str, tuple[str, str, int, str, str]] = {

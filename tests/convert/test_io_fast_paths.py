@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from kernels.base import DenseWeight
 from kernels.dense import DenseKernel
-from services.convert.api import ConversionRequest, VerificationError, convert
 from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.library import ConversionRequest, VerificationError, convert
 from services.convert.pipeline import Progress
 from services.convert.safetensors_io import StreamingSafetensorsWriter
 from services.convert.tp import cat_rows

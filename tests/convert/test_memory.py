@@ -17,7 +17,7 @@ BIG_BYTES = 2_100_000_000
 
 CHILD = """
 import json, resource, sys
-from services.convert.api import ConversionRequest, convert
+from services.convert.library import ConversionRequest, convert
 (r,) = convert(ConversionRequest(sys.argv[1], [sys.argv[2]], method=sys.argv[3], out=sys.argv[4]))
 print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "ok": r.manifest.verification.ok, "layers": len(r.manifest.layers)}))

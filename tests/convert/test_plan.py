@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import UnsupportedError
-from services.convert.api import plan
+from services.convert.library import plan
 from tests.helpers.synthetic import TINY, write_checkpoint
 
 DECODER = "model.layers."

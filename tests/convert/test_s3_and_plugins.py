@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from runtime.artifact.manifest import Manifest
-from runtime.settings import Settings
 from services.cli import app
-from services.convert.api import ConversionRequest, convert, plan
+from services.convert.library import ConversionRequest, convert, plan
+from services.settings import ServiceSettings as Settings
 from services.storage import open_store
 from services.storage.s3 import S3Store
 from tests.helpers.synthetic import llama_config

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.settings import Settings
+from services.settings import ServiceSettings as Settings
 from services.storage import ArtifactExistsError, NotFoundError, StorageError, open_source, open_store
 from services.storage.keys import check_artifact_id, check_name
 from services.storage.local import LocalStore

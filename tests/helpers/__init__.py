@@ -1,1 +1,1 @@
-"""Test helpers shared across areas (synthetic checkpoint writers)."""
+"""Test helpers shared across areas: synthetic checkpoint writers, error measures."""

@@ -1,7 +1,7 @@
-"""Independent, per-element reference implementations of the layouts in formats.md §1-§5.
+"""Independent, per-element reference implementations of the layouts in docs/formats.md §1-§5.
 
 Deliberately naive: Python loops over elements and Python ints, written straight from the prose of
-formats.md (the AutoGPTQ 3-bit bullet list, the `marlin_utils_test` reference construction with its
+docs/formats.md (the AutoGPTQ 3-bit bullet list, the `marlin_utils_test` reference construction with its
 `perm` list, the CUDA-derived closed forms, DeepGEMM's per_block_cast_to_fp8 as described). Used
 only by tests and by bench/repack.py (on small slices) to check the vectorized library code.
 """
@@ -45,7 +45,7 @@ def unpack_sequence(words: list[int], bits: int, count: int) -> list[int]:
 
 
 def _pack3_sequence(values: list[int]) -> list[int]:
-    """formats.md §1.1, bit by bit as the bullet list states it."""
+    """docs/formats.md §1.1, bit by bit as the bullet list states it."""
     padded = values + [0] * (-len(values) % 32)
     words = []
     for u in range(len(padded) // 32):
@@ -112,12 +112,12 @@ def ref_awq_pack(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Marlin (formats.md §4)
+# Marlin (docs/formats.md §4)
 # ---------------------------------------------------------------------------------------------
 
 
 def ref_marlin_weight_perm(bits: int) -> list[int]:
-    """`get_weight_perm` as described in formats.md §4.2 step 2 (1024 entries)."""
+    """`get_weight_perm` as described in docs/formats.md §4.2 step 2 (1024 entries)."""
     perm: list[int] = []
     for i in range(32):
         col = i // 4
@@ -158,7 +158,7 @@ def ref_marlin_repack(q: torch.Tensor, bits: int, perm: torch.Tensor | None = No
 
 
 def ref_marlin_closed_form(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """formats.md §4.2 closed form (derived from the CUDA kernel), element by element."""
+    """docs/formats.md §4.2 closed form (derived from the CUDA kernel), element by element."""
     k, n = q.shape
     rows = q.tolist()
     off = [0, 1, 8, 9]
@@ -254,7 +254,7 @@ def ref_marlin_zero_points_closed_form_4bit(zp: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 (formats.md §5), straightforward float32 re-implementations
+# FP8 (docs/formats.md §5), straightforward float32 re-implementations
 # ---------------------------------------------------------------------------------------------
 
 

@@ -266,10 +266,10 @@ def test_awq_nibble_order() -> None:
 
 def test_fast_paths_across_row_blocks_and_hugepage_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     # tiny blocks: several blocks plus a shorter last one; every output numpy-backed
-    from kernels.codecs import swar
+    from kernels.codecs import word_ops
 
-    monkeypatch.setattr(swar, "BLOCK_BYTES", 700)
-    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    monkeypatch.setattr(word_ops, "BLOCK_BYTES", 700)
+    monkeypatch.setattr(word_ops, "_HUGE_MIN_BYTES", 0)
     n, k = 40, 112  # GPTQ: N blocks of 12, 12, 12, 4 rows; AWQ: K / 8 blocks of 4, 4, 4, 2
     w = _int_weight(5, n, k, 4, 16, sym=False, act_order=False)
     gptq = encode_gptq(w, v2=True)

@@ -26,6 +26,7 @@ from kernels.cpu_int4 import (
 from kernels.cpu_int8 import DEQUANT_MIN_M, CpuInt8Kernel
 from kernels.dense import GPU_QUANTIZED_REASON, DenseKernel
 from kernels.errors import LayoutError
+from tests.helpers.numerics import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,10 +40,6 @@ BF16_SCALE_REL_ERR = 2.0**-8
 
 MS = (1, 7, 16, 33)
 SHAPES = ((576, 1536), (192, 576))  # (N, K): SmolLM2 down_proj, a non-power-of-two small layer
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def int_weight(

@@ -1,4 +1,4 @@
-"""FP8 quantization semantics (vLLM, formats.md §5) against straightforward fp32 re-implementations."""
+"""FP8 quantization semantics (vLLM, docs/formats.md §5) against straightforward fp32 re-implementations."""
 
 from __future__ import annotations
 
@@ -108,10 +108,10 @@ def test_per_block_matches_reference(
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_blocks_and_threads_give_the_same_bytes(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # tiny row blocks (several, the last shorter) spread over Python threads; outputs numpy-backed
-    from kernels.codecs import swar
+    from kernels.codecs import word_ops
 
-    monkeypatch.setattr(swar, "BLOCK_BYTES", 200)
-    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    monkeypatch.setattr(word_ops, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(word_ops, "_HUGE_MIN_BYTES", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -16,7 +16,8 @@ from kernels.base import LinearSpec, Target
 from kernels.errors import LayoutError
 from kernels.fp8_w8a16 import Fp8W8A16Kernel, fp8_w8a16_gemm
 from kernels.registry import PRIORITY, choose_kernel
-from tests.kernels.test_gpu_kernels import DTYPES, Fp8Case, rel_err
+from tests.helpers.numerics import rel_err
+from tests.kernels.test_gpu_kernels import DTYPES, Fp8Case
 
 # apply vs its twin (relative Frobenius error). The kernel's dot runs on the exact e4m3 codes (every
 # code is an fp16 / bf16 value) with fp32 accumulation and the scale applied in fp32; the twin

@@ -14,6 +14,7 @@ import torch
 from kernels import triton_utils
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
+from tests.helpers.numerics import rel_err
 
 # apply vs its reference twin (relative Frobenius error). The twin dequantizes to fp32 and multiplies
 # in fp32; the kernel rounds the dequantized weight to the act dtype before the tensor-core dot (on
@@ -28,11 +29,6 @@ FP8_SCALE_CAST_REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    e = expected.float()
-    return ((actual.float() - e).norm() / e.norm().clamp_min(1e-12)).item()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import torch
 from kernels import triton_utils
 from kernels.registry import get_kernel
 from kernels.targets import Target
-from tests.kernels.test_gpu_kernels import DTYPES, GEMM_REL_TOL, Fp8Case, IntCase, rel_err
+from tests.helpers.numerics import rel_err
+from tests.kernels.test_gpu_kernels import DTYPES, GEMM_REL_TOL, Fp8Case, IntCase
 
 pytestmark = [
     pytest.mark.gpu,

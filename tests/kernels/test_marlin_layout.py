@@ -227,10 +227,10 @@ def test_repack_across_row_blocks_and_hugepage_outputs(
 ) -> None:
     # tiny blocks: several blocks plus a shorter last one (or a single 1-row block); every output
     # numpy-backed; the input must come back untouched (blocks work on copies)
-    from kernels.codecs import swar
+    from kernels.codecs import word_ops
 
-    monkeypatch.setattr(swar, "BLOCK_BYTES", 3000)
-    monkeypatch.setattr(swar, "_HUGE_MIN_BYTES", 0)
+    monkeypatch.setattr(word_ops, "BLOCK_BYTES", 3000)
+    monkeypatch.setattr(word_ops, "_HUGE_MIN_BYTES", 0)
     k, n = 16 * k_tiles, 64 * 3
     q = _codes(11 + bits, k, n, bits)
     std = pack_rows(q, bits)

@@ -17,7 +17,7 @@ from kernels import registry
 from kernels.base import IntWeight, LinearSpec, Target
 from kernels.dense import GPU_QUANTIZED_REASON
 from kernels.errors import KilnError, NoKernelError
-from runtime.settings import Settings
+from services.settings import ServiceSettings as Settings
 
 PLUGIN_SRC = Path(__file__).resolve().parent / "plugin_pkg"
 PLUGIN_KERNEL = "demo_fp32_int"

@@ -346,7 +346,7 @@ class ManifestTarget:
 
 def manifest_from_conversion(work: Path) -> bytes:
     """A real manifest: convert a tiny dense checkpoint for the cpu target."""
-    from services.convert.api import ConversionRequest, convert
+    from services.convert.library import ConversionRequest, convert
 
     src = work / "manifest-src"
     if not (src / "config.json").exists():

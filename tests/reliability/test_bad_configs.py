@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.errors import KilnError, LayoutError, UnsupportedError
-from services.convert.api import ConversionRequest, convert, open_and_detect, plan
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
+from services.convert.library import ConversionRequest, convert, open_and_detect, plan
 from services.storage.local import LocalStore
 from tests.helpers.synthetic import Dims, write_checkpoint
 

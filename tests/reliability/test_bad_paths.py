@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.settings import Settings
-from services.convert.api import ConversionRequest, convert, open_and_detect
 from services.convert.errors import ConversionError
+from services.convert.library import ConversionRequest, convert, open_and_detect
+from services.settings import ServiceSettings as Settings
 from services.storage import open_store
 from services.storage.errors import StorageError
 from services.storage.keys import check_artifact_id, check_name, join_prefix

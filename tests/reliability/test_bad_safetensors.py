@@ -15,8 +15,8 @@ import torch
 
 from runtime.artifact.safetensors_header import FIX_HINT, MAX_HEADER_BYTES, SafetensorsFormatError
 from runtime.loader import CorruptRankFileError, LoadError, map_safetensors
-from services.convert.api import ConversionRequest, convert
 from services.convert.errors import ConversionError, SourceSafetensorsError
+from services.convert.library import ConversionRequest, convert
 from services.storage.local import LocalStore
 from tests.helpers.synthetic import Dims, write_checkpoint
 from tests.reliability.st_files import build, valid_header

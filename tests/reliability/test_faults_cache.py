@@ -9,15 +9,14 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import boto3
 import pytest
 from transformers import PreTrainedModel
 
 from runtime.artifact.pull import PullError, pull
 from runtime.loader import load_model
-from runtime.settings import Settings
+from runtime.settings import RuntimeSettings as Settings
+from tests.fixtures.s3 import upload_artifact
 from tests.runtime.artifact_factory import write_artifact
 
 TMPFS_SIZE = "8m"
@@ -42,13 +41,6 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _upload(endpoint: str, bucket: str, artifact: Path) -> str:
-    client: Any = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    for path in sorted(artifact.iterdir()):
-        client.upload_file(str(path), bucket, f"artifacts/{artifact.name}/{path.name}")
-    return f"s3://{bucket}/artifacts/{artifact.name}"
-
-
 def _snapshot(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
@@ -66,8 +58,10 @@ def test_disk_full_mid_pull_leaves_the_cache_as_it_was(
     model, first_src = llama_artifact
     second_src = write_artifact(model, tmp_path / "second", tp=2)
     assert second_src.name != first_src.name
-    first = pull(_upload(s3_server, s3_bucket, first_src), small_fs, settings=Settings(), chunk_size=CHUNK)
-    second_uri = _upload(s3_server, s3_bucket, second_src)
+    first = pull(
+        upload_artifact(s3_server, s3_bucket, first_src), small_fs, settings=Settings(), chunk_size=CHUNK
+    )
+    second_uri = upload_artifact(s3_server, s3_bucket, second_src)
 
     st = os.statvfs(small_fs)
     used = (st.f_blocks - st.f_bfree) * st.f_frsize

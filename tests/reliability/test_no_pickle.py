@@ -35,8 +35,8 @@ def test_every_torch_load_is_weights_only() -> None:
 
 
 def test_celery_accepts_json_only() -> None:
-    from runtime.settings import Settings
-    from services.worker.app import make_celery
+    from services.settings import ServiceSettings as Settings
+    from services.worker.celery_app import make_celery
 
     app = make_celery(Settings())
     assert app.conf.accept_content == ["json"] and app.conf.task_serializer == "json"

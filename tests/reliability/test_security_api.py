@@ -24,13 +24,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from runtime.settings import Settings
 from services.api.app import create_app
 from services.db import migrate, repo
 from services.db.models import Artifact
 from services.db.session import session_scope
-from services.jobs import NO_LOCAL_CHECKPOINT, run_job
 from services.redact import redact_text, redact_url
+from services.settings import ServiceSettings as Settings
+from services.worker.jobs import NO_LOCAL_CHECKPOINT, run_job
 from tests.services.conftest import REPO, create_token, free_port, make_settings
 
 pytestmark = pytest.mark.services

@@ -23,7 +23,7 @@ from runtime.artifact.manifest import (
 )
 from runtime.artifact.pull import PullError, pull
 from runtime.loader import load_model
-from runtime.settings import Settings
+from runtime.settings import RuntimeSettings as Settings
 
 TRAVERSAL_NAMES = [
     "../../escaped.txt",

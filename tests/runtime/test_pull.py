@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from runtime.artifact.manifest import MANIFEST_NAME, Manifest
 from runtime.artifact.pull import PROGRESS_SUFFIX, PullError, PullProgress, pull
 from runtime.loader import load_model
-from runtime.settings import Settings
+from runtime.settings import RuntimeSettings as Settings
+from tests.fixtures.s3 import upload_artifact
 from tests.runtime.artifact_factory import write_artifact
 
 CHUNK = 64 << 10  # small ranges so that every rank file takes several GETs
@@ -22,13 +23,6 @@ CHUNK = 64 << 10  # small ranges so that every rank file takes several GETs
 
 def _client(endpoint: str) -> Any:
     return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-
-def _upload(endpoint: str, bucket: str, artifact: Path) -> str:
-    client = _client(endpoint)
-    for path in sorted(artifact.iterdir()):
-        client.upload_file(str(path), bucket, f"artifacts/{artifact.name}/{path.name}")
-    return f"s3://{bucket}/artifacts/{artifact.name}"
 
 
 class Recorder:
@@ -50,7 +44,7 @@ def test_pull_verifies_publishes_and_reuses_the_cache(
     tmp_path: Path, s3_server: str, s3_bucket: str, llama_artifact: tuple[PreTrainedModel, Path]
 ) -> None:
     src = llama_artifact[1]
-    uri = _upload(s3_server, s3_bucket, src)
+    uri = upload_artifact(s3_server, s3_bucket, src)
     rec = Recorder()
     dest = pull(uri, tmp_path / "cache", settings=Settings(), chunk_size=CHUNK, progress=rec)
     assert dest == tmp_path / "cache" / src.name
@@ -75,7 +69,7 @@ def test_a_rank_pulls_only_its_own_files(
     tmp_path: Path, s3_server: str, s3_bucket: str, llama_artifact: tuple[PreTrainedModel, Path]
 ) -> None:
     src = write_artifact(llama_artifact[0], tmp_path / "src", tp=2)
-    uri = _upload(s3_server, s3_bucket, src)
+    uri = upload_artifact(s3_server, s3_bucket, src)
     dest = pull(uri, tmp_path / "cache", rank=1, settings=Settings(), chunk_size=CHUNK)
     assert (dest / "rank1.safetensors").is_file() and not (dest / "rank0.safetensors").exists()
     assert (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file()
@@ -90,7 +84,7 @@ def test_an_interrupted_pull_resumes_where_it_stopped(
     tmp_path: Path, s3_server: str, s3_bucket: str, llama_artifact: tuple[PreTrainedModel, Path]
 ) -> None:
     src = llama_artifact[1]
-    uri = _upload(s3_server, s3_bucket, src)
+    uri = upload_artifact(s3_server, s3_bucket, src)
     crash = Recorder(fail_after=3)
     with pytest.raises(KeyboardInterrupt):
         pull(uri, tmp_path / "cache", settings=Settings(), chunk_size=CHUNK, progress=crash, workers=1)
@@ -112,7 +106,7 @@ def test_tampered_or_truncated_files_are_refused(
     damage: str, tmp_path: Path, s3_server: str, s3_bucket: str, llama_artifact: tuple[PreTrainedModel, Path]
 ) -> None:
     src = llama_artifact[1]
-    uri = _upload(s3_server, s3_bucket, src)
+    uri = upload_artifact(s3_server, s3_bucket, src)
     data = bytearray((src / "rank0.safetensors").read_bytes())
     if damage == "tampered":
         data[len(data) // 2] ^= 0xFF

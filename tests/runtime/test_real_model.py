@@ -5,7 +5,7 @@ The reference is transformers' `LlamaForCausalLM` in fp32 holding the *source ch
 weights, dequantized by the format's own library (tests/fixtures/checkpoints.py) — so the only
 differences left are the runtime's kernels computing in bf16 activations. Perplexity on the GPL-3
 text is reported per artifact (printed and saved to bench/results/real_model_perplexity.json) and
-checked against the figures measured on this machine (../shared/toolchain.md).
+checked against the figures measured on this machine (docs/formats.md §17.3).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from runtime.chat import apply_chat_template
 from runtime.eval import generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.loader import LoadedModel, load_model
-from services import checkpoints
+from services.demo import checkpoints
 from tests.fixtures.checkpoints import reference_model
 
 # Tolerances between the runtime (bf16 activations through 30 layers) and the fp32 reference on the
@@ -197,7 +197,7 @@ def test_demo_answers_paris(artifact_fixture: str, request: pytest.FixtureReques
     assert result.tokens > 0 and result.load_s > 0
 
 
-LLMCOMPRESSOR_AWQ_PPL = 26.787  # measured here (../shared/toolchain.md)
+LLMCOMPRESSOR_AWQ_PPL = 26.787  # measured here (docs/formats.md §17.3)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from runtime.settings import Settings
+from services.settings import ServiceSettings as Settings
 
 
 def test_development_accepts_compose_defaults() -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from runtime.distributed import free_port
 from tests.fixtures.s3 import s3_test_env
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_TEST_URL = "redis://127.0.0.1:6379/15"
-# Fast redelivery for tests (toolchain.md): jobs here are far shorter than the visibility timeout.
+# Fast redelivery for tests (docs/formats.md §17.4): jobs here are far shorter than the visibility timeout.
 TEST_VISIBILITY_TIMEOUT_S = 20
 TEST_RESTORE_INTERVAL_S = 5
 TEST_SOFT_LIMIT_S = 15
@@ -51,12 +52,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.services)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pg_available() -> bool:
@@ -153,7 +148,7 @@ def services_env(
 
 def make_settings(env: dict[str, str]):  # type: ignore[no-untyped-def]
     """A Settings object built from exactly this environment (no .env file, no process env)."""
-    from runtime.settings import Settings
+    from services.settings import ServiceSettings as Settings
 
     prefix = "KILN_"
     fields = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}

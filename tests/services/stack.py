@@ -9,7 +9,7 @@ from pathlib import Path
 import boto3
 import httpx
 
-from runtime.settings import Settings
+from services.settings import ServiceSettings as Settings
 from services.storage.s3 import S3Store
 from tests.fixtures.s3 import S3_TEST_CREDENTIALS, S3_TEST_REGION
 from tests.services.conftest import WorkerProcess

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.settings import Settings
 from services.db import migrate, repo
 from services.db.session import session_scope
+from services.settings import ServiceSettings as Settings
 from tests.services.conftest import REPO
 
 

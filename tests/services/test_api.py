@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from runtime.settings import Settings
 from services.api.app import create_app
+from services.settings import ServiceSettings as Settings
 from tests.services.conftest import create_token, free_port, make_settings
 
 MAX_BODY = 4096

@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.settings import Settings
 from services.api.app import create_app
 from services.db import migrate, repo
 from services.db.session import session_scope
-from services.jobs import TransientJobError, run_job
+from services.settings import ServiceSettings as Settings
 from services.storage.local import LocalStore
+from services.worker.jobs import TransientJobError, run_job
 from tests.services.conftest import create_token, free_port, make_settings, wait_for_job
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Connection, create_engine, insert, inspect, text
 
-from runtime.settings import Settings
 from services.db import migrate, repo
 from services.db.models import Base
 from services.db.session import dispose_engines, session_scope
+from services.settings import ServiceSettings as Settings
 from tests.services.conftest import PG_ADMIN_URL, REPO
 
 EXPECTED_TABLES = {"jobs", "artifacts", "artifact_files", "api_tokens"}

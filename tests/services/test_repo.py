@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import delete
 
-from runtime.settings import Settings
 from services.db import repo
 from services.db.models import ApiToken, Job
 from services.db.session import session_scope
+from services.settings import ServiceSettings as Settings
 
 
 @pytest.fixture

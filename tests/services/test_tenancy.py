@@ -16,13 +16,13 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from runtime.settings import Settings
 from services.api.app import create_app
 from services.db import migrate, repo
 from services.db.models import Artifact
 from services.db.session import session_scope
-from services.jobs import run_job
+from services.settings import ServiceSettings as Settings
 from services.storage.local import LocalStore
+from services.worker.jobs import run_job
 from tests.services.conftest import create_token
 
 

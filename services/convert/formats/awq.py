@@ -1,4 +1,4 @@
-"""AutoAWQ GEMM checkpoints (formats.md §2): 4-bit, zero points, contiguous groups.
+"""AutoAWQ GEMM checkpoints (docs/formats.md §2): 4-bit, zero points, contiguous groups.
 
 Config keys: bits|w_bit, group_size|q_group_size, zero_point, version (must be "gemm"),
 modules_to_not_convert (substring match, vLLM's AWQ rule). Modules without a `qweight` are dense.

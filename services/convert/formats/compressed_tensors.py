@@ -1,4 +1,4 @@
-"""compressed-tensors checkpoints (llm-compressor; formats.md §3, vLLM's CompressedTensorsConfig rules).
+"""compressed-tensors checkpoints (llm-compressor; docs/formats.md §3, vLLM's CompressedTensorsConfig rules).
 
 Supported schemes: pack-quantized int 4/8-bit weight-only (group/channel, sym/asym, actorder
 "group"), float-quantized FP8 weights (tensor/channel/block; activation settings are dropped, the

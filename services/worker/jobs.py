@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -23,10 +22,11 @@ from typing import Literal
 from celery.exceptions import SoftTimeLimitExceeded
 
 from kernels.errors import KilnError
-from runtime.settings import Settings, get_settings
 from services.db import repo
 from services.db.session import session_scope
 from services.redact import redact_text
+from services.settings import ServiceSettings
+from services.storage import open_store
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def is_transient(exc: BaseException) -> bool:
 class ProgressWriter:
     """Writes converter progress to the job row: on every stage change, else at most every interval."""
 
-    def __init__(self, job_id: str, settings: Settings) -> None:
+    def __init__(self, job_id: str, settings: ServiceSettings) -> None:
         self.job_id = job_id
         self.settings = settings
         self._last_stage = ""
@@ -97,11 +97,11 @@ class ProgressWriter:
 class CancelCheck:
     """`should_cancel` for the converter: reads the job row (called between layers).
 
-    `Settings.convert_layer_delay_s` sleeps here first: a documented test/demo aid that makes a
+    `ServiceSettings.convert_layer_delay_s` sleeps here first: a documented test/demo aid that makes a
     conversion slow enough to cancel or kill mid-flight. It is 0 in production.
     """
 
-    def __init__(self, job_id: str, settings: Settings) -> None:
+    def __init__(self, job_id: str, settings: ServiceSettings) -> None:
         self.job_id = job_id
         self.settings = settings
 
@@ -121,7 +121,7 @@ class CancelCheck:
 class Heartbeat:
     """Touches the job row periodically so the reconciler can tell a live job from an orphan."""
 
-    def __init__(self, job_id: str, settings: Settings) -> None:
+    def __init__(self, job_id: str, settings: ServiceSettings) -> None:
         self.job_id = job_id
         self.settings = settings
         self._stop = threading.Event()
@@ -208,8 +208,8 @@ def public_error(message: str, source: str) -> str:
     return _ABS_PATH.sub(rewrite, message)
 
 
-def build_request(spec: JobSpec, settings: Settings) -> object:
-    from services.convert.api import ConversionRequest
+def build_request(spec: JobSpec, settings: ServiceSettings) -> object:
+    from services.convert.library import ConversionRequest
 
     opts = spec.options
     return ConversionRequest(
@@ -224,34 +224,21 @@ def build_request(spec: JobSpec, settings: Settings) -> object:
     )
 
 
-def discard_stale_staging(artifact_ids: list[str], settings: Settings) -> None:
+def discard_stale_staging(artifact_ids: list[str], settings: ServiceSettings) -> None:
     """Remove what a killed earlier attempt staged for these artifacts (now committed, so any staging
     left for their ids is garbage: a concurrent writer of the same id finds it committed and aborts)."""
-    from services.storage import open_store
-
     store = open_store(settings.resolved_store_url, settings)
     for aid in artifact_ids:
         try:
-            discard = getattr(store, "discard_staged", None)
-            if discard is not None:
-                discard(aid)
-            elif hasattr(store, "staging_keys"):  # S3: {prefix}/.staging/{aid}-{random}/{name}
-                keys = [k for k in store.staging_keys() if k.split(".staging/", 1)[-1].startswith(f"{aid}-")]
-                store.delete_keys(keys)
-                if keys:
-                    log.info("artifact %s: removed %d object(s) a dead attempt had staged", aid, len(keys))
-            elif hasattr(store, "staging_entries"):  # local: {root}/.staging/{aid}-{random}/
-                for entry in store.staging_entries():
-                    if entry.name.startswith(f"{aid}-"):
-                        shutil.rmtree(entry, ignore_errors=True)
-                        log.info("artifact %s: removed %s, staged by a dead attempt", aid, entry)
+            removed = store.discard_staged(aid)
+            if removed:
+                log.info("artifact %s: removed %d staged item(s) a dead attempt had left", aid, removed)
         except Exception as e:
             log.warning("artifact %s: stale staging not removed (%s)", aid, e)
 
 
-def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | None = None) -> Outcome:
+def run_job(job_id: str, *, settings: ServiceSettings, task_id: str | None = None) -> Outcome:
     """Run (or skip) one attempt of a job. Raises TransientJobError when a retry should follow."""
-    settings = settings or get_settings()
     with session_scope(settings) as s:
         claim = repo.claim_job(s, job_id, task_id)
         if claim.outcome != "run" or claim.job is None:
@@ -265,7 +252,7 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
         return "failed"
 
     try:
-        from services.convert.api import Cancelled, convert
+        from services.convert.library import Cancelled, convert
     except ImportError as e:  # a broken install: fail the job visibly rather than leave it running
         _finish(job_id, "failed", f"internal error: conversion library unavailable ({e})", settings)
         return "failed"
@@ -318,7 +305,7 @@ def run_job(job_id: str, *, task_id: str | None = None, settings: Settings | Non
     return "succeeded"
 
 
-def record_time_limit_kill(job_id: str, settings: Settings) -> None:
+def record_time_limit_kill(job_id: str, settings: ServiceSettings) -> None:
     """The worker killed the task at its hard time limit (the message is acknowledged, no retry)."""
     _finish(
         job_id,
@@ -329,12 +316,14 @@ def record_time_limit_kill(job_id: str, settings: Settings) -> None:
     )
 
 
-def _finish(job_id: str, status: Literal["failed", "cancelled"], error: str, settings: Settings) -> None:
+def _finish(
+    job_id: str, status: Literal["failed", "cancelled"], error: str, settings: ServiceSettings
+) -> None:
     with session_scope(settings) as s:
         repo.finish_job(s, job_id, status, error)
 
 
-def _retry_later(job_id: str, error: str, settings: Settings) -> None:
+def _retry_later(job_id: str, error: str, settings: ServiceSettings) -> None:
     try:
         with session_scope(settings) as s:
             repo.retry_later(s, job_id, error)
@@ -342,6 +331,6 @@ def _retry_later(job_id: str, error: str, settings: Settings) -> None:
         log.warning("job %s: could not record retry (%s)", job_id, e)
 
 
-def retry_delay(attempt: int, settings: Settings) -> float:
+def retry_delay(attempt: int, settings: ServiceSettings) -> float:
     """Exponential backoff: base, 2×base, 4×base … capped at 5 minutes."""
     return min(300.0, settings.job_retry_backoff_s * 2 ** max(0, attempt - 1))

@@ -1,0 +1,5 @@
+"""`python -m services.demo` (`make demo`)."""
+
+from services.demo import main
+
+raise SystemExit(main())
