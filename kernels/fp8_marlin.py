@@ -38,17 +38,14 @@ from kernels.marlin_layout import (
 from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
+    GemmLaunch,
     act_dtype_reason,
-    bf16_interpreter,
-    check_act_dtype,
     default_config,
-    finish_output,
+    empty_rows,
     fit_to_groups,
-    gemm_output,
-    import_triton,
-    launch_options,
+    gemm_rows,
     runs_triton,
-    tile_epilogue,
+    with_epilogue,
 )
 
 EXPONENT_BIAS = {torch.float16: 8, torch.bfloat16: 120}  # 2^(e-1) - 2^3, e = exponent bits of act dtype
@@ -157,42 +154,37 @@ def fp8_marlin_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias), reading the FP8-Marlin layout in place; x (..., K) bf16/fp16."""
-    check_act_dtype(x, "fp8_marlin")
+    x2 = gemm_rows(x, spec.k, "fp8_marlin").contiguous()
     scales = tensors["scales"]
     if scales.dtype != x.dtype:
         raise LayoutError(
             f"fp8_marlin scales carry the {scales.dtype} exponent bias; activations are {x.dtype}"
         )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
-        return x.new_empty(*lead, n)
+        return empty_rows(x, n)
     group = k if _group_size(spec) == -1 else _group_size(spec)
     cfg, per_block_scale = fit_to_groups(config or default_config(m, n, k, x.device), group, act_order=False)
     bias = tensors.get("bias")
-    y = gemm_output(m, n, x, cfg)
-    triton, _ = import_triton()
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _kernel()[grid](
-        x2, tensors["qweight"], scales, bias if bias is not None else scales, y,
+    run = GemmLaunch.plan(x, m, n, cfg)
+    _kernel()[run.grid](
+        x2, tensors["qweight"], scales, bias if bias is not None else scales, run.y,
         m, n, k, group, 2.0 ** -EXPONENT_BIAS[x.dtype],
-        GROUPED_SCALES=group < k,
-        PER_BLOCK_SCALE=per_block_scale,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        BF16_INTERP=bf16_interpreter(x),
-        **launch_options(x, cfg),
+        GROUPED_SCALES=group < k, PER_BLOCK_SCALE=per_block_scale, HAS_BIAS=bias is not None,
+        **run.meta(),
     )  # fmt: skip
-    return finish_output(y, x).reshape(*lead, n)
+    return run.result()
+
+
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+tile_offsets: Any = None
+k_range: Any = None
+store_tile: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = import_triton()
-    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
-    global store_tile
-    store_tile = tile_epilogue()
+    triton, tl = with_epilogue(globals())
 
     @triton.jit
     def fp8_marlin_kernel(
@@ -203,15 +195,8 @@ def _kernel() -> Any:
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
         ROW_WORDS = N * 4  # int32 words per 16-row k-tile (8-bit)
-        pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
         act = X.dtype.element_ty
         col_n = 256 * (offs_n // 64) + 32 * (offs_n % 8) + 2 * ((offs_n % 64) // 16) + (offs_n % 16) // 8
         if GROUPED_SCALES:
@@ -219,10 +204,9 @@ def _kernel() -> Any:
         else:
             s_col = 32 * (offs_n // 32) + 8 * ((offs_n % 8) // 2) + 2 * ((offs_n % 32) // 8) + offs_n % 2
 
-        k_iters = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_iters, SPLIT_K)
+        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+        for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(

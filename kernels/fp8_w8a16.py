@@ -29,17 +29,14 @@ from kernels.errors import LayoutError
 from kernels.targets import GPU_TARGETS
 from kernels.triton_utils import (
     GemmConfig,
+    GemmLaunch,
     act_dtype_reason,
-    bf16_interpreter,
-    check_act_dtype,
     default_config,
-    finish_output,
-    gemm_output,
-    import_triton,
+    empty_rows,
+    gemm_rows,
     largest_block_dividing,
-    launch_options,
     runs_triton,
-    tile_epilogue,
+    with_epilogue,
 )
 
 MIN_BLOCK_K = 16  # the smallest K tile tl.dot takes; block widths bk must be multiples of it
@@ -156,12 +153,10 @@ def fp8_w8a16_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) reading the e4m3 bytes in place; x (..., K) bf16/fp16."""
-    check_act_dtype(x, "fp8_w8a16")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k).contiguous()
+    x2 = gemm_rows(x, spec.k, "fp8_w8a16").contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
-        return x.new_empty(*lead, n)
+        return empty_rows(x, n)
     cfg = config or default_config(m, n, k, x.device)
     block = spec.fp8_strategy == "block"
     bn, bk = spec.block_size if block and spec.block_size else (1, k)
@@ -171,27 +166,24 @@ def fp8_w8a16_gemm(
             raise LayoutError(f"{spec.name}: no K tile divides the FP8 block width {bk}")
     scale = tensors["weight_scale"]
     bias = tensors.get("bias")
-    y = gemm_output(m, n, x, cfg)
-    triton, _ = import_triton()
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _kernel()[grid](
-        x2, tensors["weight"].view(torch.uint8), scale, bias if bias is not None else scale, y,
-        m, n, k, bn, bk, triton.cdiv(k, bk),
-        BLOCK_SCALES=block,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        BF16_INTERP=bf16_interpreter(x),
-        **launch_options(x, cfg),
+    run = GemmLaunch.plan(x, m, n, cfg)
+    _kernel()[run.grid](
+        x2, tensors["weight"].view(torch.uint8), scale, bias if bias is not None else scale, run.y,
+        m, n, k, bn, bk, -(-k // bk),
+        BLOCK_SCALES=block, HAS_BIAS=bias is not None, **run.meta(),
     )  # fmt: skip
-    return finish_output(y, x).reshape(*lead, n)
+    return run.result()
+
+
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+tile_offsets: Any = None
+k_range: Any = None
+store_tile: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = import_triton()
-    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
-    global store_tile
-    store_tile = tile_epilogue()
+    triton, tl = with_epilogue(globals())
 
     @triton.jit
     def fp8_w8a16_kernel(
@@ -201,20 +193,12 @@ def _kernel() -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
         act = X.dtype.element_ty
-        k_iters = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_iters, SPLIT_K)
+        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+        for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(

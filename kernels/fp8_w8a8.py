@@ -29,17 +29,15 @@ from kernels.errors import LayoutError
 from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
+    GemmLaunch,
     act_dtype_reason,
-    bf16_interpreter,
-    check_act_dtype,
     default_config,
-    finish_output,
-    gemm_output,
+    empty_rows,
+    gemm_rows,
     import_triton,
     interpreter_enabled,
-    launch_options,
     runs_triton,
-    tile_epilogue,
+    with_epilogue,
 )
 
 MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor for dynamic per-token quant
@@ -141,36 +139,26 @@ def fp8_w8a8_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with the Triton FP8 kernel; x (..., K) bf16/fp16."""
-    check_act_dtype(x, "fp8_w8a8")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k).contiguous()
+    x2 = gemm_rows(x, spec.k, "fp8_w8a8").contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
-        return x.new_empty(*lead, n)
+        return empty_rows(x, n)
     xq, xs = quantize_per_token(x2)
     cfg = config or default_config(m, n, k, x.device, kind="fp8")
     ws = tensors["weight_scale"]
     bias = tensors.get("bias")
-    y = gemm_output(m, n, x, cfg)
-    triton, _ = import_triton()
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _gemm_kernel()[grid](
-        xq, xs, tensors["weight"], ws, bias if bias is not None else ws, y,
+    run = GemmLaunch.plan(x, m, n, cfg)
+    _gemm_kernel()[run.grid](
+        xq, xs, tensors["weight"], ws, bias if bias is not None else ws, run.y,
         m, n, k,
-        PER_CHANNEL=ws.numel() > 1,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        BF16_INTERP=bf16_interpreter(x),
-        **launch_options(x, cfg),
+        PER_CHANNEL=ws.numel() > 1, HAS_BIAS=bias is not None, **run.meta(),
     )  # fmt: skip
-    return finish_output(y, x).reshape(*lead, n)
+    return run.result()
 
 
 def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
     """The same GEMM through torch._scaled_mm with row-wise scales (CUDA sm89+; for the benchmark)."""
-    check_act_dtype(x, "fp8_w8a8")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k).contiguous()
+    x2 = gemm_rows(x, spec.k, "fp8_w8a8").contiguous()
     xq, xs = quantize_per_token(x2)
     ws = tensors["weight_scale"].float().reshape(1, -1).expand(1, spec.n).contiguous()
     # Row-wise scaling produces bfloat16 only; fp16 callers get a cast (bias added in fp32 below).
@@ -179,7 +167,13 @@ def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: Line
     )
     if "bias" in tensors:
         y = (y.float() + tensors["bias"].float()).to(x.dtype)
-    return y.to(x.dtype).reshape(*lead, spec.n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+
+
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+tile_offsets: Any = None
+k_range: Any = None
+store_tile: Any = None
 
 
 @cache
@@ -218,10 +212,7 @@ def _quant_kernel() -> Any:
 
 @cache
 def _gemm_kernel() -> Any:
-    triton, tl = import_triton()
-    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
-    global store_tile
-    store_tile = tile_epilogue()
+    triton, tl = with_epilogue(globals())
 
     @triton.jit
     def fp8_w8a8_kernel(
@@ -231,19 +222,11 @@ def _gemm_kernel() -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        k_iters = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_iters, SPLIT_K)
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
+        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+        for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             a = tl.load(

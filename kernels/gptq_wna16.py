@@ -27,17 +27,14 @@ from kernels.errors import LayoutError
 from kernels.targets import GPU_TARGETS
 from kernels.triton_utils import (
     GemmConfig,
+    GemmLaunch,
     act_dtype_reason,
-    bf16_interpreter,
-    check_act_dtype,
     default_config,
-    finish_output,
+    empty_rows,
     fit_to_groups,
-    gemm_output,
-    import_triton,
-    launch_options,
+    gemm_rows,
     runs_triton,
-    tile_epilogue,
+    with_epilogue,
 )
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -151,12 +148,10 @@ def gptq_wna16_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with the Triton kernel; x (..., K) bf16/fp16 -> (..., N) in x's dtype."""
-    check_act_dtype(x, "gptq_wna16")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k).contiguous()
+    x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
-        return x.new_empty(*lead, n)
+        return empty_rows(x, n)
     act_order = "g_idx" in tensors
     group = k if spec.group_size in (-1, 0) else spec.group_size
     cfg, per_block_scale = fit_to_groups(
@@ -166,33 +161,25 @@ def gptq_wna16_gemm(
     qzeros = tensors.get("qzeros", scales)  # placeholder pointer when symmetric
     g_idx = tensors.get("g_idx", scales)
     bias = tensors.get("bias")
-    y = gemm_output(m, n, x, cfg)
-    triton, _ = import_triton()
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _kernel()[grid](
-        x2, tensors["qweight"], scales, qzeros, g_idx, bias if bias is not None else scales, y,
+    run = GemmLaunch.plan(x, m, n, cfg)
+    _kernel()[run.grid](
+        x2, tensors["qweight"], scales, qzeros, g_idx, bias if bias is not None else scales, run.y,
         m, n, k, group,
-        BITS=spec.bits,
-        HAS_ZP="qzeros" in tensors,
-        ACT_ORDER=act_order,
-        PER_BLOCK_SCALE=per_block_scale,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k,
-        BF16_INTERP=bf16_interpreter(x),
-        **launch_options(x, cfg),
+        BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=act_order,
+        PER_BLOCK_SCALE=per_block_scale, HAS_BIAS=bias is not None, **run.meta(),
     )  # fmt: skip
-    return finish_output(y, x).reshape(*lead, n)
+    return run.result()
+
+
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+tile_offsets: Any = None
+k_range: Any = None
+store_tile: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = import_triton()
-    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
-    global store_tile
-    store_tile = tile_epilogue()
+    triton, tl = with_epilogue(globals())
 
     @triton.jit
     def gptq_wna16_kernel(
@@ -205,24 +192,16 @@ def _kernel() -> Any:
     ):  # fmt: skip
         PF: tl.constexpr = 32 // BITS
         MASK: tl.constexpr = (1 << BITS) - 1
-        pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
         act = X.dtype.element_ty
 
         if HAS_ZP:
             zp_col = offs_n // PF
             zp_shift = (offs_n % PF) * BITS
-        k_iters = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_iters, SPLIT_K)
+        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+        for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(

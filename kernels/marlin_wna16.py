@@ -45,17 +45,14 @@ from kernels.marlin_layout import (
 from kernels.targets import gpu_targets
 from kernels.triton_utils import (
     GemmConfig,
+    GemmLaunch,
     act_dtype_reason,
-    bf16_interpreter,
-    check_act_dtype,
     default_config,
-    finish_output,
+    empty_rows,
     fit_to_groups,
-    gemm_output,
-    import_triton,
-    launch_options,
+    gemm_rows,
     runs_triton,
-    tile_epilogue,
+    with_epilogue,
 )
 
 
@@ -169,48 +166,41 @@ def marlin_wna16_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias), reading the Marlin layout in place; x (..., K) bf16/fp16."""
-    check_act_dtype(x, "marlin_wna16")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, spec.k)
+    x2 = gemm_rows(x, spec.k, "marlin_wna16")
     act_order = "perm" in tensors
     if act_order:
         x2 = x2.index_select(1, tensors["perm"].long())  # activations in sorted-row order, once per call
     x2 = x2.contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
-        return x.new_empty(*lead, n)
+        return empty_rows(x, n)
     group = k if spec.group_size in (-1, 0) else spec.group_size
     cfg, per_block_scale = fit_to_groups(
         config or default_config(m, n, k, x.device), group, act_order=act_order
     )
     scales = tensors["scales"]
     bias = tensors.get("bias")
-    y = gemm_output(m, n, x, cfg)
-    triton, _ = import_triton()
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _kernel()[grid](
+    run = GemmLaunch.plan(x, m, n, cfg)
+    _kernel()[run.grid](
         x2, tensors["qweight"], scales, tensors.get("zeros", scales), tensors.get("g_idx", scales),
-        bias if bias is not None else scales, y,
+        bias if bias is not None else scales, run.y,
         m, n, k, group,
-        BITS=spec.bits,
-        HAS_ZP="zeros" in tensors,
-        ACT_ORDER=act_order,
-        GROUPED_SCALES=grouped_scales(spec),
-        PER_BLOCK_SCALE=per_block_scale,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        BF16_INTERP=bf16_interpreter(x),
-        **launch_options(x, cfg),
+        BITS=spec.bits, HAS_ZP="zeros" in tensors, ACT_ORDER=act_order,
+        GROUPED_SCALES=grouped_scales(spec), PER_BLOCK_SCALE=per_block_scale,
+        HAS_BIAS=bias is not None, **run.meta(),
     )  # fmt: skip
-    return finish_output(y, x).reshape(*lead, n)
+    return run.result()
+
+
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+tile_offsets: Any = None
+k_range: Any = None
+store_tile: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = import_triton()
-    # A module global (not a closure): Triton's interpreter resolves callees in the kernel's globals.
-    global store_tile
-    store_tile = tile_epilogue()
+    triton, tl = with_epilogue(globals())
 
     @triton.jit
     def marlin_wna16_kernel(
@@ -223,15 +213,8 @@ def _kernel() -> Any:
     ):  # fmt: skip
         MASK: tl.constexpr = (1 << BITS) - 1
         ROW_WORDS = N * BITS // 2  # int32 words per 16-row k-tile
-        pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
         act = X.dtype.element_ty
 
         # n-only parts of the Marlin word column and field shift (module docstring).
@@ -250,10 +233,9 @@ def _kernel() -> Any:
             zp_col = 8 * (offs_n // 64) + offs_n % 8
             zp_shift = 4 * (zj // 2 + 4 * (zj % 2))
 
-        k_iters = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_iters, SPLIT_K)
+        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)):
+        for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(

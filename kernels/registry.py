@@ -50,9 +50,14 @@ def _instantiate(obj: object, where: str) -> LinearKernel:
     return kernel
 
 
-def _load(path: str) -> LinearKernel:
+def import_object(path: str) -> object:
+    """The object a "module:attribute" path names (built-in registrations are such paths)."""
     module_name, _, attr = path.partition(":")
-    return _instantiate(getattr(importlib.import_module(module_name), attr), path)
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _load(path: str) -> LinearKernel:
+    return _instantiate(import_object(path), path)
 
 
 # name -> kernel, in preference order (importing a kernel module never imports Triton).

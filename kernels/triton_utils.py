@@ -162,6 +162,59 @@ def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+@dataclass
+class GemmLaunch:
+    """What every GEMM wrapper here does around its own kernel call: the output buffer, the grid
+    over (M, N) tiles and K splits, the tile constexprs and launch options, and the final cast."""
+
+    x: torch.Tensor  # the caller's activations (..., K)
+    n: int
+    cfg: GemmConfig
+    y: torch.Tensor  # (M, N) output buffer (fp32 under split-K)
+    grid: tuple[int, int]
+
+    @classmethod
+    def plan(cls, x: torch.Tensor, m: int, n: int, cfg: GemmConfig) -> GemmLaunch:
+        triton, _ = import_triton()
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+        return cls(x, n, cfg, gemm_output(m, n, x, cfg), grid)
+
+    def meta(self) -> dict[str, Any]:
+        """Keyword arguments every GEMM kernel takes: tile sizes, split-K, the interpreter flag."""
+        c = self.cfg
+        return {
+            "BLOCK_M": c.block_m,
+            "BLOCK_N": c.block_n,
+            "BLOCK_K": c.block_k,
+            "SPLIT_K": c.split_k,
+            "BF16_INTERP": bf16_interpreter(self.x),
+            **launch_options(self.x, c),
+        }
+
+    def result(self) -> torch.Tensor:
+        """(..., N) in the activations' dtype."""
+        return finish_output(self.y, self.x).reshape(*self.x.shape[:-1], self.n)
+
+
+def gemm_rows(x: torch.Tensor, k: int, kernel: str) -> torch.Tensor:
+    """The activations as (M, K) rows, after checking their dtype for `kernel`."""
+    check_act_dtype(x, kernel)
+    return x.reshape(-1, k)
+
+
+def empty_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The (..., N) result of a GEMM over no rows."""
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def with_epilogue(module_globals: dict[str, Any]) -> tuple[ModuleType, ModuleType]:
+    """`import_triton()`, with the shared `@triton.jit` GEMM helpers (`tile_offsets`, `k_range`,
+    `store_tile`) bound in a kernel module's globals (not a closure: Triton's interpreter resolves
+    callees in the kernel's globals)."""
+    module_globals.update(gemm_helpers())
+    return import_triton()
+
+
 @cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -178,11 +231,29 @@ def largest_block_dividing(group_size: int, block_k: int) -> int:
 
 
 @cache
-def tile_epilogue() -> Any:
-    """The GEMM epilogue every Triton kernel here shares (a `@triton.jit` helper): add the bias once
-    (first K split), then store the fp32 tile in Y's dtype, or atomically add it under split-K."""
+def gemm_helpers() -> dict[str, Any]:
+    """The `@triton.jit` helpers every GEMM kernel here shares:
+    `tile_offsets`: this program's output rows / columns and their masks (grid axis 0 = M x N tiles);
+    `k_range`: the K iterations of this program's split (grid axis 1 = K splits);
+    `store_tile`: add the bias once (first K split), then store the fp32 tile in Y's dtype, or
+    atomically add it under split-K."""
     global tl  # Triton's interpreter looks `tl` up in a called helper's module globals
     triton, tl = import_triton()
+
+    @triton.jit
+    def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid = tl.program_id(0)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_m, offs_n, offs_m < M, offs_n < N
+
+    @triton.jit
+    def k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        pid_k = tl.program_id(1)
+        k_iters = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_iters, SPLIT_K)
+        return pid_k * per_split, tl.minimum(k_iters, (pid_k + 1) * per_split)
 
     @triton.jit
     def store_tile(
@@ -201,4 +272,4 @@ def tile_epilogue() -> Any:
         else:
             tl.atomic_add(y_ptrs, acc, mask=mask_mn)
 
-    return store_tile
+    return {"tile_offsets": tile_offsets, "k_range": k_range, "store_tile": store_tile}

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -43,9 +44,57 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048  # when the model allows more; the KV cache is sized by it
 BATCH_SIZE_HISTORY = 4096
 
+ContextParam = Literal["prompt", "max_tokens"]
+
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt (plus max_tokens) does not fit the context: a 400 for the client."""
+    """The prompt is empty, or it and the tokens to generate do not fit the context: a 400 for the client.
+
+    `param` is the request field at fault: "prompt" (empty, or filling the context by itself) or
+    "max_tokens". The numbers let a front end word the error its own way.
+    """
+
+    def __init__(
+        self, max_model_len: int, prompt_len: int, max_tokens: int | None, param: ContextParam
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.param: ContextParam = param
+        super().__init__(self._message())
+
+    def __reduce__(self) -> tuple[type[ContextLengthError], tuple[int, int, int | None, ContextParam]]:
+        return type(self), (self.max_model_len, self.prompt_len, self.max_tokens, self.param)
+
+    def _message(self) -> str:
+        if self.prompt_len == 0:
+            return "the prompt is empty; send at least one token"
+        limit = f"This model's maximum context length is {self.max_model_len} tokens."
+        if self.max_tokens is None:
+            return f"{limit} However, your prompt has {self.prompt_len} tokens; shorten it."
+        return (
+            f"{limit} However, you requested {self.prompt_len + self.max_tokens} tokens ({self.prompt_len} "
+            f"in the prompt, {self.max_tokens} in the completion). "
+            "Please reduce the length of the prompt or of max_tokens."
+        )
+
+
+def resolve_max_tokens(
+    prompt_len: int, requested: int | None, default: int | None, max_model_len: int
+) -> int:
+    """How many tokens a request may generate: `requested`, else `default`, else the rest of the context.
+
+    Raises ContextLengthError when the prompt is empty, fills the context by itself (allowed only when
+    0 tokens are wanted: a prompt echoed back), or leaves no room for the tokens wanted.
+    """
+    wanted = requested if requested is not None else default
+    if prompt_len == 0 or (prompt_len >= max_model_len and (wanted is None or wanted > 0)):
+        raise ContextLengthError(max_model_len, prompt_len, wanted, "prompt")
+    if wanted is None:
+        return max_model_len - prompt_len
+    if prompt_len + wanted > max_model_len:
+        raise ContextLengthError(max_model_len, prompt_len, wanted, "max_tokens")
+    return wanted
 
 
 @dataclass
@@ -171,15 +220,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
-        n = len(prompt_ids)
-        if n == 0:
-            raise ContextLengthError("the prompt is empty; send at least one token")
-        if n + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or of max_tokens."
-            )
+        resolve_max_tokens(len(prompt_ids), params.max_tokens, None, self.max_model_len)
         vocab = self.loaded.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")

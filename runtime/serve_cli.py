@@ -80,7 +80,7 @@ def serve(
     from kernels.errors import KilnError
     from runtime.engine import AsyncEngine, Engine
     from runtime.loader import load_model
-    from runtime.server import build_app
+    from runtime.openai import build_app
     from runtime.settings import get_settings
 
     settings = get_settings()

@@ -31,8 +31,10 @@ def decode_gptq(
     v2: bool,
 ) -> IntWeight:
     """Unpack one GPTQ layer. `v2` selects the checkpoint_format "gptq_v2" zero convention."""
+    _check_int32("qweight", qweight)
+    _check_int32("qzeros", qzeros)
     with serial_ops():
-        return _decode_gptq(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size, sym=sym, v2=v2)
+        return _decode_gptq(qweight, qzeros, scales, g_idx, bits, group_size, sym, v2)
 
 
 def _decode_gptq(
@@ -40,14 +42,11 @@ def _decode_gptq(
     qzeros: torch.Tensor,
     scales: torch.Tensor,
     g_idx: torch.Tensor | None,
-    *,
     bits: int,
     group_size: int,
     sym: bool,
     v2: bool,
 ) -> IntWeight:
-    _check_int32("qweight", qweight)
-    _check_int32("qzeros", qzeros)
     k = packed_capacity(qweight.shape[0], bits)
     n = qweight.shape[1]
     if scales.dim() != 2 or scales.shape[1] != n:

@@ -9,13 +9,13 @@ as vLLM gives externally registered methods precedence.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from importlib.metadata import entry_points
 from typing import Any
 
 from kernels.errors import KilnError, UnsupportedError
+from kernels.registry import import_object
 from services.convert.checkpoint import QUANT_SIDE_CONFIGS, Checkpoint
 from services.convert.errors import QuantConfigError
 from services.convert.formats.base import SUPPORTED_FORMATS_MESSAGE, CheckpointFormat
@@ -34,12 +34,7 @@ FORMATS: tuple[str, ...] = (
 )
 
 
-def _load(path: str) -> type[CheckpointFormat]:
-    module_name, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
-
-
-BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(_load, FORMATS))
+BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(import_object, FORMATS))  # type: ignore[arg-type]
 KNOWN_UNSUPPORTED = {
     "bitsandbytes": "bitsandbytes checkpoints are not supported (dequantize to bf16 and use --method fp8)",
     "gguf": "GGUF input is not supported yet",

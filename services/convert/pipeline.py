@@ -21,7 +21,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from runtime.artifact.manifest import (
     source_digest,
 )
 from runtime.model_layout import shard_rows
+from runtime.version import kiln_version
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import Cancelled, VerificationError
 from services.convert.formats.base import CheckpointFormat
@@ -78,13 +78,6 @@ class ConversionResult:
 
 ProgressFn = Callable[[Progress], None]
 CancelFn = Callable[[], bool]
-
-
-def kiln_version() -> str:
-    try:
-        return version("kiln")
-    except PackageNotFoundError:
-        return "0.0.0"
 
 
 def plan_artifact_id(plan: Plan, hashes: dict[str, str]) -> str:

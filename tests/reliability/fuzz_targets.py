@@ -16,7 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 from kernels.errors import KilnError
+from kernels.targets import Target
 from runtime.artifact.manifest import Manifest, ManifestError
 from runtime.artifact.safetensors_header import DTYPE_SIZES, SafetensorsFormatError, validate_header
 from runtime.loader import map_safetensors
@@ -27,6 +30,18 @@ from services.convert.safetensors_io import parse_header, tensor_from_bytes
 from services.storage.local import LocalSource
 from tests.helpers.synthetic import Dims, write_checkpoint
 from tests.reliability.st_files import VALID_TENSORS, build, valid_file
+
+
+def fuzz_settings(max_examples: int, *also_suppress: HealthCheck) -> settings:
+    """Bounded, reproducible hypothesis runs for `make test` (bench/fuzz.py runs the long ones)."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, *also_suppress],
+    )
+
 
 TINY_DIMS = Dims(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=64)
 CONFIG_BASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -256,7 +271,7 @@ class ConfigTarget:
         ckpt = replace(self.ckpts[name], config=config, side_configs=side, _hashes=None, _hash_future=None)
         try:
             fmt = detect_format(ckpt)
-            build_plan(ckpt, fmt, "cpu", tp=1, method="auto", fp8_scheme="tensor", disabled_kernels=())
+            build_plan(ckpt, fmt, Target.CPU, tp=1, method="auto", fp8_scheme="tensor", disabled_kernels=())
             return True
         except KilnError:
             return False

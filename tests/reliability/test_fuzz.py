@@ -9,26 +9,21 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from tests.reliability.fuzz_targets import (
     ConfigTarget,
     ManifestTarget,
     SafetensorsTarget,
+    fuzz_settings,
     gen_safetensors,
     manifest_from_conversion,
     random_json,
 )
 from tests.reliability.st_files import build
 
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(200, HealthCheck.data_too_large)
 RNG = st.randoms(use_true_random=False)
 
 

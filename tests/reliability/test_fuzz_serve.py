@@ -14,21 +14,16 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
+from tests.reliability.fuzz_targets import fuzz_settings
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 from tests.runtime.serving import RunningServer, serve_artifact
 
 pytestmark = pytest.mark.timeout(300)
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+FUZZ = fuzz_settings(150, HealthCheck.function_scoped_fixture)
 BASES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"prompt": "Hello", "max_tokens": 2, "temperature": 0.0, "seed": 1, "logprobs": 1},
     "/v1/chat/completions": {

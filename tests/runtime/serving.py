@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,18 +13,13 @@ from typing import Any
 import httpx
 import uvicorn
 
+from runtime.distributed import free_port
 from runtime.engine import AsyncEngine, Engine
 from runtime.loader import LoadedModel, load_model
-from runtime.server import build_app
+from runtime.openai import build_app
 
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(base_url: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:

@@ -348,6 +348,20 @@ def test_metrics_names_and_counts_move(client: httpx.Client) -> None:
     assert after[("vllm:num_requests_running", ())] == 0
 
 
+def _assert_one_abort(before: dict[Any, float], after: dict[Any, float], max_tokens: int) -> None:
+    """One more request finished as aborted, before generating all its tokens."""
+    aborted = (("finished_reason", "abort"),)
+    assert (
+        after.get(("vllm:request_success_total", aborted), 0)
+        - before.get(("vllm:request_success_total", aborted), 0)
+        == 1
+    )
+    assert (
+        after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
+        < max_tokens
+    )
+
+
 def test_client_disconnect_aborts_the_request(client: httpx.Client, server: RunningServer) -> None:
     before = _metrics(client)
     max_tokens = MAX_MODEL_LEN - 32
@@ -364,17 +378,7 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Runn
     while server.engine.num_running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.engine.num_running == 0
-    after = _metrics(client)
-    aborted = (("finished_reason", "abort"),)
-    assert (
-        after.get(("vllm:request_success_total", aborted), 0)
-        - before.get(("vllm:request_success_total", aborted), 0)
-        == 1
-    )
-    assert (
-        after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
-        < max_tokens
-    )
+    _assert_one_abort(before, _metrics(client), max_tokens)
 
 
 def test_streaming_completions_with_several_prompts_and_echo(
@@ -438,17 +442,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(
     deadline = time.monotonic() + 10
     while server.engine.num_running and time.monotonic() < deadline:
         time.sleep(0.01)
-    after = _metrics(client)
-    aborted = (("finished_reason", "abort"),)
-    assert (
-        after.get(("vllm:request_success_total", aborted), 0)
-        - before.get(("vllm:request_success_total", aborted), 0)
-        == 1
-    )
-    assert (
-        after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
-        < max_tokens
-    )
+    _assert_one_abort(before, _metrics(client), max_tokens)
 
 
 def test_tokenize_detokenize_and_tokenizer_info(client: httpx.Client, server: RunningServer) -> None:

@@ -120,6 +120,18 @@ def clean_db(pg_url: str) -> str:
     return pg_url
 
 
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database: the PostgreSQL test database, then a fresh SQLite file."""
+    if request.param == "sqlite":
+        from services.db import migrate
+
+        url = f"sqlite:///{tmp_path / 'kiln.db'}"
+        migrate.upgrade(url)
+        return url
+    return str(request.getfixturevalue("clean_db"))
+
+
 @pytest.fixture
 def services_env(
     clean_db: str, redis_url: str, s3_server: str, s3_bucket: str, tmp_path: Path

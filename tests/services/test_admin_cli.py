@@ -9,20 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from services.db import migrate, repo
+from services.db import repo
 from services.db.session import session_scope
 from services.settings import ServiceSettings as Settings
 from tests.services.conftest import REPO
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'kiln.db'}"
-        migrate.upgrade(url)
-    else:
-        url = request.getfixturevalue("clean_db")
-    return Settings(_env_file=None, database_url=url)  # type: ignore[call-arg]
+@pytest.fixture
+def settings(db_url: str) -> Settings:
+    return Settings(_env_file=None, database_url=db_url)  # type: ignore[call-arg]
 
 
 def test_revoke_by_id_or_name_is_idempotent_and_refuses_unknown(settings: Settings) -> None:

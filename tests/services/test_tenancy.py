@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from services.api.app import create_app
-from services.db import migrate, repo
+from services.db import repo
 from services.db.models import Artifact
 from services.db.session import session_scope
 from services.settings import ServiceSettings as Settings
@@ -42,15 +42,10 @@ class QueueOnlyDispatcher:
         return None
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'kiln.db'}"
-        migrate.upgrade(url)
-    else:
-        url = request.getfixturevalue("clean_db")
+@pytest.fixture
+def settings(db_url: str, tmp_path: Path) -> Settings:
     return Settings(  # type: ignore[call-arg]
-        _env_file=None, environment="test", database_url=url, data_dir=tmp_path / "var", broker_url=""
+        _env_file=None, environment="test", database_url=db_url, data_dir=tmp_path / "var", broker_url=""
     )
 
 

@@ -1,9 +1,13 @@
-"""Request bodies of the OpenAI-compatible API (the fields `kiln serve` understands).
+"""The OpenAI-compatible API's bodies: the requests `kiln serve` understands and the responses it sends.
 
-Unknown fields are ignored, as OpenAI clients send many optional ones. Fields that would change the
+Requests ignore unknown fields, as OpenAI clients send many optional ones. Fields that would change the
 result but are not implemented (n > 1, penalties, logit_bias, tools, JSON mode …) are refused with a
 400 by `unsupported()` rather than silently ignored. vLLM's extra sampling fields `top_k`,
 `ignore_eos`, `min_tokens`, `stop_token_ids` are accepted.
+
+Every declared field of a response is sent, explicit nulls included (`"stop_reason": null`,
+`"logprobs": null`), except a stream chunk's `usage` without `stream_options.include_usage` and the
+unset fields of a chat `delta`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 # OpenAI's chat roles; others are refused with a 400 as the OpenAI API does.
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # not bool: `[true]` is not token id 1
+
+
+# --- requests -------------------------------------------------------------------------------------
 
 
 def lone_surrogate_path(value: Any, path: str = "body") -> str | None:
@@ -112,6 +119,14 @@ class _Sampling(_Body):
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
     # str | list[str] | list[int] (one tokenized prompt) | list[list[int]] (a batch of them)
@@ -188,4 +203,170 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
-Endpoint = Literal["completions", "chat"]
+# --- responses ------------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    # model_dump_json (the SSE events) writes NaN and ±Infinity as Python's json module does.
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    """lm-evaluation-harness reads these: the first prompt token has no logprob and no top dict."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(_Response):
+    """One SSE chunk of a streamed completion; `usage` is sent (null but in the last) with include_usage."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+class DeltaMessage(_Response):
+    """What a chat chunk adds to the message: only the fields that are set are sent (`{}` at the end)."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One SSE chunk of a streamed chat completion; `usage` as in CompletionStreamResponse."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kiln"
+    root: str
+    parent: str | None = None
+    max_model_len: int | None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfoResponse(_Response):
+    """What a client needs to tokenize like the server (lm-evaluation-harness's remote tokenizer)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | dict[str, str] | None
+    model_max_length: int | None

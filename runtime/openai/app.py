@@ -1,0 +1,171 @@
+"""The FastAPI app: lifespan, error handlers, body limit, and the routes (the small ones inline).
+
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+parameters and context overflow, 404 for an unknown model or route, 413 for a body over
+`max_request_bytes` (refused before it is read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.body_limit import BodySizeLimit
+from runtime.engine import AsyncEngine
+from runtime.metrics import CONTENT_TYPE
+from runtime.openai.chat import create_chat_completion
+from runtime.openai.completions import create_completion
+from runtime.openai.errors import OpenAIError, engine_error
+from runtime.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
+)
+from runtime.openai.serving import OpenAIServing
+from runtime.version import kiln_version
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_model_len: int | None = None,
+    root: str | None = None,
+    manage_engine: bool = True,
+    max_request_bytes: int | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    With `manage_engine`, the app's lifespan starts the AsyncEngine's thread and shuts it down at
+    exit. Bodies over `max_request_bytes` (default: the setting `serve_max_request_bytes`) get 413.
+    """
+    serving = OpenAIServing(async_engine, served_model_name, tokenizer, max_model_len, root)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            async_engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                async_engine.shutdown()
+
+    app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = serving
+    if max_request_bytes is None:
+        from runtime.settings import get_settings
+
+        max_request_bytes = get_settings().serve_max_request_bytes
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_request_bytes,
+        error_body=lambda message: OpenAIError(
+            413, message + " (kiln serve --max-request-bytes)", code="request_too_large"
+        ).body(),
+    )
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=kiln_version())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=serving.model_name,
+            created=serving.created,
+            root=serving.root or serving.model_name,
+            max_model_len=serving.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(req.model)
+        if req.messages is not None and req.prompt is None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            ids = await serving.chat_prompt(messages, req.add_generation_prompt)
+        elif req.prompt is not None and req.messages is None:
+            ids = await serving.encode(req.prompt, req.add_special_tokens)
+        else:
+            raise OpenAIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
+        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(req.model)
+        if any(not 0 <= t < len(tokenizer) for t in req.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {len(tokenizer)})", param="tokens")
+        return DetokenizeResponse(prompt=await serving.decode(req.tokens))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        return TokenizerInfoResponse(
+            tokenizer_class=type(tokenizer).__name__,
+            eos_token=tokenizer.eos_token,
+            bos_token=tokenizer.bos_token,
+            pad_token=tokenizer.pad_token,
+            unk_token=tokenizer.unk_token,
+            chat_template=getattr(tokenizer, "chat_template", None),
+            model_max_length=serving.max_model_len,
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await create_completion(serving, req, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(serving, req, request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return engine_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), type_=type_).response()
