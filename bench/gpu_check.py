@@ -146,7 +146,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     ms_list = args.m or MS
-    for n, k in SHAPES:
+    for n, k in () if args.moe_only else SHAPES:
         dense = torch.randn(n, k) * 0.02
         w_bf16 = dense.to(dev, torch.bfloat16)
         xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in ms_list}
@@ -212,6 +212,7 @@ def run_gpu(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     print_table(rows)
+    moe_rows = [] if args.skip_moe else run_moe(target, ms_list, failures)
     goal = [r for r in rows if r["kernel"] == "marlin W4A16 g128" and r["M"] == 1]
     if goal:
         worst = min(r["ratio"] for r in goal)
@@ -224,6 +225,7 @@ def run_gpu(args: argparse.Namespace) -> int:
                 "device": torch.cuda.get_device_name(),
                 "capability": target_cc,
                 "rows": rows,
+                "moe_rows": moe_rows,
                 "failures": failures,
             },
             indent=1,
@@ -233,6 +235,148 @@ def run_gpu(args: argparse.Namespace) -> int:
     for f in failures:
         print("FAIL", f)
     return 1 if failures else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused MoE kernels (GPU only): one layer's expert MLP, fused vs the per-expert loop vs bf16
+# ---------------------------------------------------------------------------------------------
+
+# (label, experts, top_k, hidden, intermediate per expert): Mixtral-8x7B at TP4, Qwen3-30B-A3B
+MOE_SHAPES = (("E8 k2 4096x3584", 8, 2, 4096, 3584), ("E128 k8 2048x768", 128, 8, 2048, 768))
+MOE_DISTINCT = 4  # experts prepared on the CPU per layer, repeated (at distinct addresses) up to E
+MOE_FP8_ACT_QUANT_REL_TOL = 8e-2  # fp8_moe_w8a8: two per-token e4m3 activation roundings
+
+
+@dataclass(frozen=True)
+class MoEVariant:
+    label: str
+    fused: str  # the fused kernel; the per-expert loop is `<its based_on>_experts`
+    linear: Variant  # quantization of each expert's w13 / w2
+    min_cc: int = 80
+
+
+MOE_VARIANTS = (
+    MoEVariant("marlin_moe W4A16 g128", "marlin_moe_wna16", Variant("moe", "marlin_wna16", "int")),
+    MoEVariant(
+        "fp8_moe_w8a8 channel",
+        "fp8_moe_w8a8",
+        Variant("moe", "fp8_w8a8", "fp8", fp8_strategy="channel"),
+        min_cc=89,
+    ),
+    MoEVariant(
+        "fp8_moe_w8a16 channel", "fp8_moe_w8a16", Variant("moe", "fp8_w8a16", "fp8", fp8_strategy="channel")
+    ),
+)
+
+
+def _tiled(one: list[dict[str, torch.Tensor]], experts: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    """E stacked experts on `dev` from a few prepared ones (expert e is one[e % len(one)])."""
+    return {n: torch.stack([one[e % len(one)][n] for e in range(experts)]).to(dev) for n in one[0]}
+
+
+def _moe_reference(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, deq: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """fp32 expert MLP on the dequantized experts (expert e's weights are deq[e % len(deq)])."""
+    from kernels.moe_base import swiglu
+
+    out = torch.zeros(x.shape[0], deq[0][1].shape[0], device=x.device)
+    for d, (w13, w2) in enumerate(deq):
+        token, slot = torch.nonzero(ids % len(deq) == d, as_tuple=True)
+        if token.numel():
+            y = swiglu(x[token].float() @ w13.T) @ w2.T
+            out.index_add_(0, token, y * weights[token, slot].float()[:, None])
+    return out
+
+
+def run_moe(target: Target, ms_list: Any, failures: list[str], device: str = "cuda") -> list[dict[str, Any]]:
+    """Time each fused MoE kernel's `apply` (route sort, both grouped GEMMs, silu, top-k sum) against
+    the per-expert loop on the same stored tensors and against `dense_experts` on bf16 weights (the
+    same loop on cuBLAS); error against an fp32 MoE on the dequantized experts."""
+    from kernels.base import DenseWeight
+    from kernels.moe_base import MoESpec
+    from kernels.registry import MOE_KERNELS
+
+    dev = torch.device(device)
+    out: list[dict[str, Any]] = []
+    for shape, e_num, top_k, h, inter in MOE_SHAPES:
+        dense = [
+            (torch.randn(2 * inter, h) * 0.02, torch.randn(h, inter) * 0.02) for _ in range(MOE_DISTINCT)
+        ]
+        xs = {m: torch.randn(m, h, device=dev, dtype=torch.bfloat16) for m in ms_list}
+        route = {}
+        for m in ms_list:
+            ids = torch.stack([torch.randperm(e_num)[:top_k] for _ in range(m)]).to(dev)
+            route[m] = (ids, torch.softmax(torch.randn(m, top_k, device=dev), -1))
+        specs = {
+            v.kernel: MoESpec(shape, e_num, top_k, v.spec(2 * inter, h), v.spec(h, inter))
+            for v in (Variant("moe", "dense", "dense"), *(mv.linear for mv in MOE_VARIANTS))
+        }
+        base_kernel, base_spec = MOE_KERNELS["dense_experts"], specs["dense"]
+        base_one = [
+            base_kernel.prepare_expert(
+                DenseWeight(a.bfloat16()), DenseWeight(b.bfloat16()), base_spec, target
+            )
+            for a, b in dense
+        ]
+        base_tensors = _tiled(base_one, e_num, dev)
+        base = {m: bench(base_kernel.apply, xs[m], *route[m], base_tensors, base_spec) for m in ms_list}
+        for m in ms_list:
+            out.append({"kernel": "dense_experts bf16 (cuBLAS loop)", "shape": shape, "M": m, "ms": base[m]})
+        for mv in MOE_VARIANTS:
+            if target.capability < mv.min_cc:
+                continue
+            fused, spec = MOE_KERNELS[mv.fused], specs[mv.linear.kernel]
+            ok, why = fused.can_implement(spec, target)
+            if not ok:
+                failures.append(f"{mv.label} {shape}: refused: {why}")
+                continue
+            loop = MOE_KERNELS[f"{fused.based_on}_experts"]
+            v = mv.linear
+            one = [
+                fused.prepare_expert(
+                    make_weight(v, 2 * inter, h, a), make_weight(v, h, inter, b), spec, target
+                )
+                for a, b in dense
+            ]
+            tensors = _tiled(one, e_num, dev)
+            deq = [
+                tuple(w.to(dev) for w in fused.dequantize_expert({n: t[None] for n, t in o.items()}, spec, 0))
+                for o in one
+            ]
+            tol = MOE_FP8_ACT_QUANT_REL_TOL if mv.fused == "fp8_moe_w8a8" else REL_TOL
+            for m in ms_list:
+                x, (ids, weights) = xs[m], route[m]
+                try:
+                    y = fused.apply(x, ids, weights, tensors, spec)
+                    if y.is_cuda:
+                        torch.cuda.synchronize()
+                    err = rel_err(y, _moe_reference(x, ids, weights, deq))  # type: ignore[arg-type]
+                    t_fused = bench(fused.apply, x, ids, weights, tensors, spec)
+                    t_loop = bench(loop.apply, x, ids, weights, tensors, spec)
+                except Exception as exc:  # report every failing kernel, keep measuring the others
+                    failures.append(f"{mv.label} M={m} {shape}: {type(exc).__name__}: {exc}")
+                    continue
+                if not err < tol:
+                    failures.append(f"{mv.label} M={m} {shape}: rel err {err:.3e} >= {tol}")
+                out.append(
+                    {
+                        "kernel": mv.label,
+                        "shape": shape,
+                        "M": m,
+                        "ms": t_fused,
+                        "loop_ms": t_loop,
+                        "vs_loop": t_loop / t_fused,
+                        "vs_bf16": base[m] / t_fused,
+                        "rel_err": err,
+                    }
+                )
+                print(
+                    f"{mv.label:24s} {shape:18s} M={m:<4d} {t_fused:8.4f} ms  loop {t_loop:8.4f} ms  "
+                    f"x{t_loop / t_fused:5.2f} vs loop  x{base[m] / t_fused:5.2f} vs bf16  err {err:.2e}",
+                    flush=True,
+                )
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -410,6 +554,7 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                             cfg,
                         )
                     )
+    out += moe_compile_matrix(quick)
     quant_sig = {"X": f"*{act}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32"}
     for arch in (89, 90):
         cfg = GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
@@ -423,6 +568,66 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                 cfg,
             )
         )
+    return out
+
+
+def moe_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
+    """The fused MoE kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16) with the configs
+    `moe_config` picks per rows-per-expert bucket; routing-weight epilogue on (the w2 launch)."""
+    from kernels import fp8_moe, marlin_moe
+    from kernels.triton_utils import cuda_block_config, fit_to_groups, largest_block_dividing
+
+    act = "bf16"
+    routing = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "TOPK_W": "*fp32", "Y": f"*{act}"}
+    moe_ints = {"num_slots": "i32", "a_div": "i32"}
+    marlin_sig = {
+        "X": f"*{act}", "QW": "*i32", "S": f"*{act}", "ZP": "*i32", "GIDX": "*i32", "PERM": "*i32",
+        **routing, "N": "i32", "K": "i32", "group_size": "i32", **moe_ints,
+        "qw_expert_stride": "i32", "s_expert_stride": "i32", "zp_expert_stride": "i32",
+    }  # fmt: skip
+    w8a8_sig = {
+        "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", **routing,
+        "N": "i32", "K": "i32", **moe_ints, "ws_expert_stride": "i32",
+    }  # fmt: skip
+    w8a16_sig = {
+        "X": f"*{act}", "W": "*u8", "S": "*fp32", **routing, "N": "i32", "K": "i32", **moe_ints,
+        "s_expert_stride": "i32", "block_n": "i32", "block_k": "i32", "k_blocks": "i32",
+    }  # fmt: skip
+    w8a16_sig_fp16 = {**w8a16_sig, "X": "*fp16", "Y": "*fp16"}
+    out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
+    int_variants = [(4, True, False, 128), (8, False, True, 128)] + ([] if quick else [(4, False, False, -1)])
+    for rows in (1, 64) if quick else (1, 32, 64):
+        base = cuda_block_config(rows)
+        for bits, zp, act_order, group in int_variants:
+            cfg, per_block = fit_to_groups(base, 4096 if group == -1 else group, act_order=act_order)
+            consts = dict(
+                BITS=bits, HAS_ZP=zp, ACT_ORDER=act_order, GROUPED_SCALES=group != -1,
+                PER_BLOCK_SCALE=per_block, MUL_WEIGHT=True,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_INTERP=False,
+            )  # fmt: skip
+            label = f"marlin_moe_wna16 rows={rows} {bits}-bit zp={zp} act_order={act_order} g{group}"
+            for arch in (80, 90):
+                out.append((label, arch, marlin_moe._kernel(), marlin_sig, consts, cfg))
+        cfg = base
+        for block_scales in (False, True):
+            if block_scales:
+                cfg = replace(base, block_k=largest_block_dividing(128, base.block_k))
+            consts = dict(
+                BLOCK_SCALES=block_scales, MUL_WEIGHT=True,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_INTERP=False,
+            )  # fmt: skip
+            for arch, sig in ((75, w8a16_sig_fp16), (80, w8a16_sig), (90, w8a16_sig)):  # sm75: fp16 only
+                label = f"fp8_moe_w8a16 rows={rows} block_scales={block_scales}"
+                out.append((label, arch, fp8_moe._w8a16_kernel(), sig, consts, cfg))
+        cfg = cuda_block_config(rows, "fp8")
+        for per_channel in (True, False):
+            consts = dict(
+                PER_CHANNEL=per_channel, MUL_WEIGHT=True,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_INTERP=False,
+            )  # fmt: skip
+            for arch in (89, 90):
+                label = f"fp8_moe_w8a8 rows={rows} per_channel={per_channel}"
+                out.append((label, arch, fp8_moe._w8a8_kernel(), w8a8_sig, consts, cfg))
     return out
 
 
@@ -459,6 +664,8 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="with --compile-only: a reduced matrix")
     parser.add_argument("--m", type=int, nargs="*", help=f"M values to time (default {MS})")
+    parser.add_argument("--moe-only", action="store_true", help="time the fused MoE kernels only")
+    parser.add_argument("--skip-moe", action="store_true", help="skip the fused MoE timings")
     args = parser.parse_args()
     if args.compile_only:
         return run_compile_only(args.quick)

@@ -9,7 +9,7 @@ Every system runs in its own subprocess, so each figure includes nothing of the 
                one token), median of --cold-runs fresh processes. Page cache warm (files read once before).
   decode       tokens/s after the first token, greedy, same prompt, `--tokens` new tokens per
                sequence, at batch 1 and batch 8 (8 copies of the prompt), after a short warm-up.
-  peak RSS     the decode process's peak resident set (ru_maxrss), mapped weights included.
+  peak RSS     the decode process's peak resident set (VmHWM), mapped weights included.
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/demo/checkpoints.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — converted on first use and
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,9 @@ WARMUP_TOKENS = 8
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    from runtime.process_memory import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _emit(result: dict[str, Any]) -> None:

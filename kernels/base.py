@@ -291,9 +291,21 @@ class LinearKernel(ABC):
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Invert the layout: (N, K) float32 weight (for verification and the reference twin)."""
 
+    def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight | None:
+        """The integer weight the stored tensors hold — codes, zero points and group map as stored,
+        in the source's row order, scales in their stored dtype — for layouts that keep them
+        losslessly. Verification then compares it with the source value for value instead of
+        dequantizing both. None: this layout is verified through `dequantize` only."""
+        return None
+
     @abstractmethod
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Runtime: y = x @ W.T (+ bias), x of shape (..., K), y of shape (..., N) in x's dtype."""
+
+    def neutral_tensor(self, suffix: str, spec: LinearSpec) -> torch.Tensor:
+        """The value of an `optional` stored tensor that leaves the layer unchanged (stacked expert
+        layouts store it for the experts that did not need it)."""
+        raise LayoutError(f"{self.name}: tensor {suffix!r} of layer {spec.name} has no neutral value")
 
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec

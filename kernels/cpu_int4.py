@@ -204,6 +204,11 @@ class CpuInt4Kernel(LinearKernel):
             out["perm"] = StoredTensor((k,), torch.int32, optional=True)
         return with_bias(out, spec, torch.float32)
 
+    def neutral_tensor(self, suffix: str, spec: LinearSpec) -> torch.Tensor:
+        if suffix == "perm":  # the identity: input channels already in group order
+            return torch.arange(spec.k, dtype=torch.int32)
+        return super().neutral_tensor(suffix, spec)
+
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         w = _check_int(weight, spec, self.name)
         n, k = spec.n, spec.k

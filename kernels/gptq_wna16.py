@@ -101,15 +101,17 @@ class GptqWNA16Kernel(LinearKernel):
             out["bias"] = weight.bias.to(act).contiguous()  # (N,)
         return out
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        q = unpack_rows(tensors["qweight"].cpu(), spec.bits, spec.k).float()  # (K, N)
-        scales = tensors["scales"].float().cpu()
+    def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight:
+        codes = unpack_rows(tensors["qweight"].cpu(), spec.bits, spec.k).to(torch.uint8)  # (K, N)
+        zeros = None
         if "qzeros" in tensors:
-            zeros = unpack_cols(tensors["qzeros"].cpu(), spec.bits, spec.n).float()  # (G, N)
-        else:
-            zeros = torch.full_like(scales, float(1 << (spec.bits - 1)))
-        g = _group_index(tensors, spec).cpu()
-        return (((q - zeros[g]) * scales[g]).T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
+            zeros = unpack_cols(tensors["qzeros"].cpu(), spec.bits, spec.n).to(torch.uint8)  # (G, N)
+        g_idx = tensors["g_idx"].cpu() if "g_idx" in tensors else None
+        scales = tensors["scales"].cpu()
+        return IntWeight(codes.T, scales, spec.bits, spec.group_size, zeros, g_idx)  # codes: an (N, K) view
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
@@ -134,14 +136,6 @@ def _check_weight(weight: IntWeight, spec: LinearSpec) -> None:
         )
         if not torch.equal(trivial, expected):
             raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
-
-
-def _group_index(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-    if "g_idx" in tensors:
-        return tensors["g_idx"].long()
-    if spec.group_size in (-1, 0):
-        return torch.zeros(spec.k, dtype=torch.long)
-    return torch.arange(spec.k) // spec.group_size
 
 
 def gptq_wna16_gemm(

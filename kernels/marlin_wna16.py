@@ -51,8 +51,9 @@ from kernels.triton_utils import (
     empty_rows,
     fit_to_groups,
     gemm_rows,
+    marlin_helpers,
     runs_triton,
-    with_epilogue,
+    with_helpers,
 )
 
 
@@ -111,27 +112,28 @@ class MarlinWNA16Kernel(LinearKernel):
             out["bias"] = weight.bias.to(act).contiguous()
         return {name: t.contiguous() for name, t in out.items()}
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+    def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight:
         k, n, bits = spec.k, spec.n, spec.bits
-        q_std = marlin_unrepack(tensors["qweight"].cpu(), bits, k, n)
-        q = unpack_rows(q_std, bits, k).float()  # (K, N), rows in sorted order
-        scales = marlin_unpermute_scales(tensors["scales"].cpu(), k, n, spec.group_size).float()
+        q_std = marlin_unrepack(tensors["qweight"].cpu(), bits, k, n)  # (K // pf, N), rows in sorted order
+        codes = unpack_rows(q_std, bits, k).to(torch.uint8)  # (K, N)
+        scales = marlin_unpermute_scales(tensors["scales"].cpu(), k, n, spec.group_size)  # (G, N)
+        zeros = None
         if "zeros" in tensors:
-            zeros = marlin_unpack_zero_points(tensors["zeros"].cpu(), bits, n).float()
-        else:
-            zeros = torch.full_like(scales, float(1 << (bits - 1)))
-        if "g_idx" in tensors:
-            g = tensors["g_idx"].cpu().long()
-        elif spec.group_size in (-1, 0):
-            g = torch.zeros(k, dtype=torch.long)
-        else:
-            g = torch.arange(k) // spec.group_size
-        w_sorted = (q - zeros[g]) * scales[g]  # (K, N)
-        if "perm" in tensors:
-            w = torch.empty_like(w_sorted)
-            w[tensors["perm"].cpu().long()] = w_sorted
-            w_sorted = w
-        return (w_sorted.T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
+            zeros = marlin_unpack_zero_points(tensors["zeros"].cpu(), bits, n).to(torch.uint8)  # (G, N)
+        g_idx = tensors["g_idx"].cpu() if "g_idx" in tensors else None
+        if "perm" in tensors:  # sorted row i is source row perm[i]
+            perm = tensors["perm"].cpu().long()
+            unsorted = torch.empty_like(codes)
+            unsorted[perm] = codes
+            codes = unsorted
+            if g_idx is not None:
+                g_unsorted = torch.empty_like(g_idx)
+                g_unsorted[perm] = g_idx
+                g_idx = g_unsorted
+        return IntWeight(codes.T, scales, bits, spec.group_size, zeros, g_idx)  # codes: an (N, K) view
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
@@ -192,15 +194,17 @@ def marlin_wna16_gemm(
     return run.result()
 
 
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
+# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_helpers() when a kernel is built.
 tile_offsets: Any = None
 k_range: Any = None
 store_tile: Any = None
+marlin_n_terms: Any = None
+marlin_dot: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = with_epilogue(globals())
+    triton, tl = with_helpers(globals(), marlin_helpers())
 
     @triton.jit
     def marlin_wna16_kernel(
@@ -211,28 +215,10 @@ def _kernel() -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        MASK: tl.constexpr = (1 << BITS) - 1
-        ROW_WORDS = N * BITS // 2  # int32 words per 16-row k-tile
         pid_k = tl.program_id(1)
         offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        act = X.dtype.element_ty
-
-        # n-only parts of the Marlin word column and field shift (module docstring).
-        if BITS == 4:
-            col_n = 128 * (offs_n // 64) + 16 * (offs_n % 8) + (offs_n % 64) // 16
-            shift_n = 8 * ((offs_n % 16) // 8)
-        else:
-            col_n = 256 * (offs_n // 64) + 32 * (offs_n % 8) + 2 * ((offs_n % 64) // 16) + (offs_n % 16) // 8
-            shift_n = 0 * offs_n
-        if GROUPED_SCALES:
-            s_col = 64 * (offs_n // 64) + 8 * (offs_n % 8) + (offs_n % 64) // 8
-        else:
-            s_col = 32 * (offs_n // 32) + 8 * ((offs_n % 8) // 2) + 2 * ((offs_n % 32) // 8) + offs_n % 2
-        if HAS_ZP:  # 4-bit only
-            zj = (offs_n % 64) // 8
-            zp_col = 8 * (offs_n // 64) + offs_n % 8
-            zp_shift = 4 * (zj // 2 + 4 * (zj % 2))
-
+        # n-only parts of the Marlin word column and field shift (module docstring), once per tile
+        col_n, shift_n, s_col, zp_col, zp_shift = marlin_n_terms(offs_n, BITS, GROUPED_SCALES)
         k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(k_begin, k_end):
@@ -243,41 +229,10 @@ def _kernel() -> Any:
             )
             if BF16_INTERP:
                 x = x.to(tl.float32)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            if BITS == 4:
-                col_k = 4 * ((offs_k % 8) // 2)
-                shift_k = 4 * ((offs_k % 16) // 8 + 4 * (offs_k % 2))
-            else:
-                col_k = 8 * ((offs_k % 8) // 2)
-                shift_k = 8 * ((offs_k % 16) // 8 + 2 * (offs_k % 2))
-            addr = (offs_k // 16 * ROW_WORDS + col_k)[:, None] + col_n[None, :]
-            words = tl.load(QW + addr, mask=mask_kn, other=0)
-            q = (words >> (shift_k[:, None] + shift_n[None, :])) & MASK  # (BLOCK_K, BLOCK_N) codes
-            if PER_BLOCK_SCALE:
-                g = (it * BLOCK_K) // group_size
-                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32)
-                if HAS_ZP:
-                    zw = tl.load(ZP + g * (N // 8) + zp_col, mask=mask_n, other=0)
-                    w = (q - ((zw >> zp_shift) & MASK)[None, :]).to(tl.float32)
-                else:
-                    w = (q - (1 << (BITS - 1))).to(tl.float32)
-                if not BF16_INTERP:
-                    w = w.to(act)  # integers below 256: exact in bf16/fp16
-                acc += tl.dot(x, w) * s[None, :]
-            else:
-                if ACT_ORDER:
-                    g = tl.load(GIDX + offs_k, mask=mask_k, other=0)
-                else:
-                    g = offs_k // group_size
-                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-                if HAS_ZP:
-                    zw = tl.load(ZP + g[:, None] * (N // 8) + zp_col[None, :], mask=mask_kn, other=0)
-                    w = (q - ((zw >> zp_shift[None, :]) & MASK)).to(tl.float32) * s
-                else:
-                    w = (q - (1 << (BITS - 1))).to(tl.float32) * s
-                if not BF16_INTERP:
-                    w = w.to(act)
-                acc += tl.dot(x, w)
+            acc = marlin_dot(
+                acc, x, QW, S, ZP, GIDX, it, offs_k, mask_k, mask_n, col_n, shift_n, s_col, zp_col, zp_shift,
+                N, group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
+            )  # fmt: skip
 
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 

@@ -22,6 +22,8 @@ from importlib.metadata import entry_points
 
 from kernels.base import KernelChoice, LinearKernel, LinearSpec, Target
 from kernels.errors import KilnError, NoKernelError
+from kernels.experts import stacked_experts
+from kernels.moe_base import MoEKernel, MoEKernelChoice, MoESpec
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,55 @@ PRIORITY: dict[Target, tuple[str, ...]] = {
 
 def builtin_kernel(name: str) -> LinearKernel:
     return BUILTIN_KERNELS[name]
+
+
+def _instantiate_moe(obj: object, where: str) -> MoEKernel:
+    kernel = obj() if isinstance(obj, type) else obj
+    if not isinstance(kernel, MoEKernel):
+        raise KilnError(f"{where} is not a kernels.moe_base.MoEKernel (got {type(kernel).__name__})")
+    return kernel
+
+
+# Expert-group kernels fused into one launch per layer ("module:Class"), most preferred first; they
+# go ahead of the derived per-expert kernels (`<linear kernel>_experts`, one per entry of KERNELS).
+FUSED_MOE_KERNELS: tuple[str, ...] = (
+    "kernels.fp8_moe:Fp8MoEW8A8Kernel",
+    "kernels.marlin_moe:MarlinMoEKernel",
+    "kernels.fp8_moe:Fp8MoEW8A16Kernel",
+)
+MOE_KERNELS: dict[str, MoEKernel] = {
+    k.name: k
+    for k in (
+        *(_instantiate_moe(import_object(p), p) for p in FUSED_MOE_KERNELS),
+        *map(stacked_experts, BUILTIN_KERNELS.values()),
+    )
+}
+MOE_PRIORITY: dict[Target, tuple[str, ...]] = {
+    t: tuple(name for name, k in MOE_KERNELS.items() if t in k.targets) for t in Target
+}
+
+
+def get_moe_kernel(name: str) -> MoEKernel:
+    """The expert-group kernel an artifact names; unknown names are a clear error."""
+    if name not in MOE_KERNELS:
+        raise KilnError(f"unknown expert-group kernel {name!r}; known: {', '.join(MOE_KERNELS)}")
+    return MOE_KERNELS[name]
+
+
+def choose_moe_kernel(spec: MoESpec, target: Target, disabled: Iterable[str] = ()) -> MoEKernelChoice:
+    """First expert-group kernel for `target` that takes `spec`, with every rejection recorded."""
+    disabled_set = set(disabled)
+    rejected: list[tuple[str, str]] = []
+    for name in MOE_PRIORITY[target]:
+        kernel = MOE_KERNELS[name]
+        if name in disabled_set or kernel.based_on in disabled_set:
+            rejected.append((name, "disabled by KILN_DISABLED_KERNELS"))
+            continue
+        ok, reason = kernel.can_implement(spec, target)
+        if ok:
+            return MoEKernelChoice(kernel=kernel, rejected=rejected)
+        rejected.append((name, reason))
+    raise NoKernelError(spec.name, target.value, rejected)
 
 
 @cache

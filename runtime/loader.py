@@ -8,11 +8,13 @@ copied once, host to device, straight from the mapping. The safetensors header i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.base import LinearSpec, Target, check_stored
+from kernels.base import LinearKernel, LinearSpec, Target, check_stored
 from kernels.errors import KilnError, LayoutError
-from kernels.registry import get_kernel
+from kernels.moe_base import MoEKernel, MoESpec
+from kernels.registry import get_kernel, get_moe_kernel
 from runtime.artifact.manifest import LayerEntry, Manifest, artifact_file
 from runtime.artifact.safetensors_header import (
     DTYPES,
@@ -32,7 +35,15 @@ from runtime.artifact.safetensors_header import (
 )
 from runtime.kv_cache import KvCacheDtype
 from runtime.model import LlamaForCausalLM, residual_dtype
-from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape
+from runtime.model_layout import (
+    ExpertGroupLayout,
+    LinearLayout,
+    ModelConfig,
+    expert_groups,
+    expert_placement,
+    linear_layouts,
+    rank_shape,
+)
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,7 +161,8 @@ def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
     fp32 GEMM, bf16 / fp16 -> fp32 exact)."""
     if device != "cpu":
         return getattr(torch, manifest.act_dtype)
-    kernels = [get_kernel(entry.kernel) for entry in manifest.layers.values()]
+    kernels: list[LinearKernel | MoEKernel] = [get_kernel(e.kernel) for e in manifest.layers.values()]
+    kernels += [get_moe_kernel(e.kernel) for e in manifest.expert_groups.values()]
     if (
         manifest.act_dtype != "float32"
         and kernels
@@ -249,6 +261,66 @@ def check_layer_tensors(
         raise LoadError(f"{e}; {ARTIFACT_FIX}") from e
 
 
+def bind_expert_groups(
+    model: LlamaForCausalLM,
+    manifest: Manifest,
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    used: set[str],
+    rank: int,
+    world_size: int,
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Bind every MoE layer's expert group, after checking it against the model config (this rank's
+    experts and slice) and its kernel's declared stacked tensors."""
+    modules = model.expert_groups()
+    layouts = {g.name: g for g in expert_groups(cfg)}
+    absent = sorted(set(modules) - set(manifest.expert_groups))
+    extra = sorted(set(manifest.expert_groups) - set(modules))
+    if absent or extra:
+        raise LoadError(
+            f"expert groups: the model has {absent[:3] or 'none'} without a manifest entry and the manifest "
+            f"has {extra[:3] or 'none'} without a place in {cfg.architecture}; {ARTIFACT_FIX}"
+        )
+    for name, entry in manifest.expert_groups.items():
+        kernel = get_moe_kernel(entry.kernel)
+        spec = rank_moe_spec(entry.moe_spec(), layouts[name], rank, world_size, manifest.expert_parallel)
+        mine = {
+            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
+        }
+        declared = kernel.stored_tensors(spec, manifest.target)
+        absent_tensors = sorted(set(declared) - set(mine))
+        if absent_tensors or set(entry.tensors) - set(declared):
+            raise LoadError(
+                f"expert group {name} (kernel {entry.kernel}): tensors {entry.tensors} in the manifest, "
+                f"{sorted(mine)} in rank {rank}'s files, the kernel stores {sorted(declared)}; {ARTIFACT_FIX}"
+            )
+        try:
+            check_stored(entry.kernel, spec.w13, declared, mine)
+        except LayoutError as e:
+            raise LoadError(f"expert group {name}: {e}; {ARTIFACT_FIX}") from e
+        used.update(f"{name}.{suffix}" for suffix in mine)
+        modules[name].bind(kernel, spec, {suffix: to_device(t) for suffix, t in mine.items()})
+
+
+def rank_moe_spec(
+    spec: MoESpec, layout: ExpertGroupLayout, rank: int, world_size: int, expert_parallel: bool
+) -> MoESpec:
+    """This rank's spec of an expert group (the manifest records rank 0's), checked against the
+    placement the model config gives it."""
+    place = expert_placement(layout, rank, world_size, expert_parallel)
+    want = (layout.num_experts, place.num_experts, layout.top_k, layout.hidden, place.intermediate)
+    got = (spec.total_experts, spec.num_experts, spec.top_k, spec.w13.k, spec.w2.k)
+    if got != want or (spec.w13.n, spec.w2.n) != (2 * place.intermediate, layout.hidden):
+        raise LoadError(
+            f"expert group {layout.name}: the manifest has {got[0]} experts ({got[1]} on this rank), "
+            f"top-{got[2]}, hidden {got[3]}, intermediate {got[4]} per rank; the model config gives "
+            f"{want[0]} ({want[1]}), top-{want[2]}, {want[3]}, {want[4]} on rank {rank} of {world_size}; "
+            f"{ARTIFACT_FIX}"
+        )
+    return dataclasses.replace(spec, first_expert=place.first_expert)
+
+
 def check_dense_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape or not t.dtype.is_floating_point:
         raise LoadError(
@@ -345,6 +417,7 @@ def load_model(
         raise LoadError(
             f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
         )
+    bind_expert_groups(model, manifest, cfg, tensors, used, rank, world_size, to_device)
 
     # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the residual dtype.
     norm_dtype = residual_dtype(dtype, device)

@@ -1,4 +1,5 @@
-"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings).
+"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings),
+Qwen3 (per-head q/k RMSNorm), and the mixture-of-experts Qwen3-MoE and Mixtral (`SparseMoeBlock`).
 
 Every linear layer is a `KernelLinear`: the kernel named in the manifest plus the tensors it
 prepared, resolved once at load, so the hot path is `kernel.apply(x, tensors, spec)` with no
@@ -40,6 +41,7 @@ from torch import nn
 
 from kernels.base import LinearKernel, LinearSpec
 from kernels.errors import UnsupportedError
+from kernels.moe_base import MoEKernel, MoESpec
 from runtime.kv_cache import KVCache
 from runtime.model_layout import ARCHITECTURES, ModelConfig, rank_shape
 
@@ -194,13 +196,21 @@ class Attention(nn.Module):
         self.qkv_proj = KernelLinear(f"{prefix}.qkv_proj")
         self.o_proj = KernelLinear(f"{prefix}.o_proj", all_reduce=world_size > 1)
         self.split = [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim]
+        # Qwen3: every q and k head RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
         head_dim = self.head_dim
         qk, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
+        qk = qk.view(b, t, -1, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = qk.to(ctx.cos.dtype)
+            q, k = qk[:, :, : self.num_heads], qk[:, :, self.num_heads :]
+            qk = torch.cat((self.q_norm.forward(q), self.k_norm.forward(k)), dim=2)
         # q and k heads rotated in one call (in the tables' dtype): (b, heads + kv_heads, t, head_dim)
-        qk = apply_rope_full(qk.view(b, t, -1, head_dim).transpose(1, 2), ctx.cos, ctx.sin)
+        qk = apply_rope_full(qk.transpose(1, 2), ctx.cos, ctx.sin)
         v = v.view(b, t, self.num_kv_heads, head_dim).transpose(1, 2)
         cache = ctx.cache
         if ctx.prefill_slot is not None:  # one sequence from position 0: attend to itself, causally
@@ -243,6 +253,52 @@ class MLP(nn.Module):
         return self.down_proj.forward(F.silu(gate.to(self.residual_dtype)).mul_(up).to(gate_up.dtype))
 
 
+class ExpertGroup(nn.Module):
+    """A MoE layer's experts through the expert-group kernel the manifest names; bound at load."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.kernel: MoEKernel | None = None
+        self.spec: MoESpec | None = None
+
+    def bind(self, kernel: MoEKernel, spec: MoESpec, tensors: dict[str, torch.Tensor]) -> None:
+        self.kernel, self.spec = kernel, spec
+        for name, t in tensors.items():
+            self.register_buffer(name.replace(".", "_"), t, persistent=False)
+        self.forward = kernel.bind_apply(tensors, spec)  # type: ignore[method-assign]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{self.name} is not bound to an artifact")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> softmax (fp32) -> top-k (renormalised when the model says so) -> the experts' MLPs,
+    weighted and summed. Under TP or EP each rank computes a partial sum: all-reduced here."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, world_size: int) -> None:
+        super().__init__()
+        arch = ARCHITECTURES[cfg.architecture]
+        assert arch.experts is not None and cfg.moe is not None
+        group = arch.experts.group(cfg, idx)
+        self.gate = KernelLinear(arch.experts.router(cfg, idx).name)
+        self.experts = ExpertGroup(group.name)
+        self.top_k = cfg.moe.top_k
+        self.renormalize = cfg.moe.renormalize
+        self.all_reduce = world_size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate.forward(flat).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts.forward(flat, ids, weights)
+        if self.all_reduce:
+            torch.distributed.all_reduce(y)
+        return y.view(x.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, world_size: int) -> None:
         super().__init__()
@@ -250,7 +306,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", idx, world_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(f"{prefix}.mlp", world_size)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, idx, world_size)
+            if cfg.is_moe_layer(idx)
+            else MLP(f"{prefix}.mlp", world_size)
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         act = ctx.act_dtype
@@ -307,10 +367,17 @@ class LlamaForCausalLM(nn.Module):
     def linear_layers(self) -> dict[str, KernelLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, KernelLinear)}
 
+    def expert_groups(self) -> dict[str, ExpertGroup]:
+        return {m.name: m for m in self.modules() if isinstance(m, ExpertGroup)}
+
     def hf_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
         names: dict[str, tuple[nn.Module, str]] = {"model.embed_tokens.weight": (self.embed_tokens, "weight")}
         for i, layer in enumerate(self.layers):
             names[f"model.layers.{i}.input_layernorm.weight"] = (layer.input_layernorm, "weight")
+            attn = layer.self_attn
+            if attn.q_norm is not None and attn.k_norm is not None:
+                names[f"model.layers.{i}.self_attn.q_norm.weight"] = (attn.q_norm, "weight")
+                names[f"model.layers.{i}.self_attn.k_norm.weight"] = (attn.k_norm, "weight")
             names[f"model.layers.{i}.post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm,
                 "weight",
@@ -324,7 +391,8 @@ class LlamaForCausalLM(nn.Module):
         self.device = torch.device(device)
         self.residual_dtype = residual_dtype(dtype, self.device)
         for layer in self.layers:
-            layer.mlp.residual_dtype = self.residual_dtype
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.residual_dtype = self.residual_dtype
         cos, sin = rope_tables(self.cfg, max_len, self.residual_dtype)
         self.cos, self.sin = (t.to(device) for t in rope_tables_full(cos, sin))
 

@@ -26,10 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kernels.base import LinearSpec
 from kernels.errors import KilnError
+from kernels.moe_base import MoESpec
 from kernels.targets import Target
 
 SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+MOE_SCHEMA_VERSION = 2  # manifests with expert groups (schema 1 readers could not run them)
 MANIFEST_NAME = "manifest.json"
 # Every file of an artifact lies directly in its directory (or key prefix): one path component of
 # letters, digits, '_', '-' and '.', not starting with '.', so never '..', a path, or a hidden file.
@@ -128,6 +130,31 @@ class LayerEntry(_Model):
         return LinearSpec.from_json(self.spec)
 
 
+class ExpertGroupEntry(_Model):
+    """One MoE layer's expert group, stacked for its expert-group kernel. `spec` is rank 0's."""
+
+    kernel: str
+    layout_version: int
+    spec: dict[str, Any]  # kernels.moe_base.MoESpec.to_json()
+    tensors: list[str]  # stacked tensor names relative to the group ("w13.qweight", "w2.scales", ...)
+    source_tensors: list[str] = Field(default_factory=list)
+    rejected: list[Rejection] = Field(default_factory=list)
+    fallback: bool = False
+    verification: LayerVerification | None = None  # the worst expert's
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_is_a_moe_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            MoESpec.from_json(v)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"spec is not a kernels.moe_base.MoESpec ({e})") from e
+        return v
+
+    def moe_spec(self) -> MoESpec:
+        return MoESpec.from_json(self.spec)
+
+
 class FileEntry(_Model):
     name: str  # a plain file name inside the artifact directory (FILE_NAME_PATTERN)
     size: int = Field(ge=0)
@@ -170,6 +197,9 @@ class Manifest(_Model):
     hf_config: dict[str, Any]  # config.json contents
     layers: dict[str, LayerEntry]  # runtime layer name -> entry
     other_tensors: list[str]  # non-linear tensor names (embeddings, norms)
+    # Written only when used (schema 2): expert groups of MoE layers, and whole experts per rank.
+    expert_groups: dict[str, ExpertGroupEntry] = Field(default_factory=dict)
+    expert_parallel: bool = False
     files: list[FileEntry]
     verification: Verification
 
@@ -190,6 +220,8 @@ class Manifest(_Model):
         bad = [f.name for f in self.files if f.rank is not None and f.rank >= self.tp]
         if bad:
             raise ValueError(f"file {bad[0]} belongs to rank >= tp={self.tp}")
+        if (self.expert_groups or self.expert_parallel) and self.schema_version < MOE_SCHEMA_VERSION:
+            raise ValueError(f"expert groups need schema_version {MOE_SCHEMA_VERSION}")
         return self
 
     def rank_files(self, rank: int) -> list[FileEntry]:
@@ -199,7 +231,11 @@ class Manifest(_Model):
         return [f for f in self.files if f.rank is None]
 
     def to_json_bytes(self) -> bytes:
-        return (self.model_dump_json(indent=2) + "\n").encode()
+        # Dense artifacts keep the schema-1 document byte for byte: MoE fields only when used.
+        unused = {"expert_groups"} if not self.expert_groups else set()
+        if not self.expert_parallel:
+            unused.add("expert_parallel")
+        return (self.model_dump_json(indent=2, exclude=unused) + "\n").encode()
 
     @classmethod
     def parse(cls, raw: bytes | str, where: str = MANIFEST_NAME) -> Manifest:

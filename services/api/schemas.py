@@ -83,6 +83,11 @@ JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 class ConversionOptions(StrictRequest):
     fp8_scheme: Literal["tensor", "channel", "block"] = "tensor"
     disabled_kernels: list[KernelName] = Field(default_factory=list, max_length=32)
+    expert_parallel: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: place whole experts on each of the `tp` ranks "
+        "(expert parallel, `kiln convert --ep`) instead of splitting every expert",
+    )
 
 
 class ConversionCreate(StrictRequest):

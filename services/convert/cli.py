@@ -32,10 +32,25 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 TargetOpt = Annotated[
     str, typer.Option("--target", "-t", help=f"one or more of {TARGET_NAMES} (comma-separated)")
 ]
-TpOpt = Annotated[int, typer.Option("--tp", help="tensor-parallel size")]
+TpOpt = Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel size")]
+EpOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ep", min=1, help="expert-parallel size: N ranks, each holding 1/N of the experts (MoE models)"
+    ),
+]
 MethodOpt = Annotated[str, typer.Option("--method", help="auto (keep the checkpoint's quantization) | fp8")]
 SchemeOpt = Annotated[str, typer.Option("--fp8-scheme", help="online FP8 scales: tensor | channel | block")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
+
+
+def _ranks(tp: int, ep: int | None) -> tuple[int, bool]:
+    """(ranks, expert_parallel) from --tp / --ep: --ep N is N ranks with whole experts on each."""
+    if ep is None:
+        return tp, False
+    if tp not in (1, ep):
+        raise typer.BadParameter(f"--tp {tp} and --ep {ep} name different rank counts; give one of them")
+    return ep, True
 
 
 def _fail(e: BaseException) -> None:
@@ -83,6 +98,7 @@ def plan_cmd(
     method: MethodOpt = "auto",
     fp8_scheme: SchemeOpt = "tensor",
     as_json: JsonOpt = False,
+    ep: EpOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
     from services.convert.library import open_and_detect, parse_targets
@@ -93,10 +109,11 @@ def plan_cmd(
 
         settings = get_settings()
         targets = parse_targets(target)
+        ranks, expert_parallel = _ranks(tp, ep)
         ckpt, fmt = open_and_detect(source, settings)
         plans = [
-            build_plan(ckpt, fmt, t, tp=tp, method=method, fp8_scheme=fp8_scheme,
-                       disabled_kernels=tuple(settings.disabled_kernels))
+            build_plan(ckpt, fmt, t, tp=ranks, method=method, fp8_scheme=fp8_scheme,
+                       disabled_kernels=tuple(settings.disabled_kernels), expert_parallel=expert_parallel)
             for t in targets
         ]  # fmt: skip
     except KilnError as e:
@@ -125,6 +142,7 @@ def convert_cmd(
         str, typer.Option("--out", help="artifact store: directory or s3://bucket/prefix")
     ] = "",
     as_json: JsonOpt = False,
+    ep: EpOpt = None,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from services.convert.library import ConversionRequest, convert, parse_targets
@@ -132,10 +150,11 @@ def convert_cmd(
     from services.settings import get_settings
 
     settings = get_settings()
+    ranks, expert_parallel = _ranks(tp, ep)
     try:
         req = ConversionRequest(
-            source=source, targets=parse_targets(target), method=method, tp=tp, fp8_scheme=fp8_scheme,
-            out=out_url or settings.resolved_store_url,
+            source=source, targets=parse_targets(target), method=method, tp=ranks, fp8_scheme=fp8_scheme,
+            out=out_url or settings.resolved_store_url, expert_parallel=expert_parallel,
         )  # fmt: skip
     except KilnError as e:
         _fail(e)

@@ -50,10 +50,11 @@ class ConversionRequest:
     source: str
     targets: list[Target]
     method: str = "auto"
-    tp: int = 1
+    tp: int = 1  # ranks (with expert_parallel: the experts are placed whole over them)
     fp8_scheme: str = "tensor"
     out: str = ""  # empty: ServiceSettings.resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
@@ -87,6 +88,7 @@ def plan(
     method: str = "auto",
     fp8_scheme: str = "tensor",
     disabled_kernels: tuple[str, ...] | None = None,
+    expert_parallel: bool = False,
     settings: ServiceSettings | None = None,
 ) -> Plan:
     target = target if isinstance(target, Target) else Target.parse(target)
@@ -94,7 +96,14 @@ def plan(
     ckpt, fmt = open_and_detect(source, settings)
     disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
     return build_plan(
-        ckpt, fmt, target, tp=tp, method=method, fp8_scheme=fp8_scheme, disabled_kernels=disabled
+        ckpt,
+        fmt,
+        target,
+        tp=tp,
+        method=method,
+        fp8_scheme=fp8_scheme,
+        disabled_kernels=disabled,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -112,7 +121,14 @@ def convert(
     disabled = tuple(req.disabled_kernels) or tuple(settings.disabled_kernels)
     plans = [
         build_plan(
-            ckpt, fmt, t, tp=req.tp, method=req.method, fp8_scheme=req.fp8_scheme, disabled_kernels=disabled
+            ckpt,
+            fmt,
+            t,
+            tp=req.tp,
+            method=req.method,
+            fp8_scheme=req.fp8_scheme,
+            disabled_kernels=disabled,
+            expert_parallel=req.expert_parallel,
         )
         for t in req.targets
     ]

@@ -25,10 +25,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.base import DenseWeight, SourceWeight, Target, check_stored
+from kernels.base import DenseWeight, IntWeight, SourceWeight, Target, check_stored
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.errors import LayoutError
 from runtime.artifact.manifest import (
+    MOE_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    ExpertGroupEntry,
     FileEntry,
     LayerEntry,
     LayerVerification,
@@ -43,11 +46,12 @@ from runtime.model_layout import shard_rows
 from runtime.version import kiln_version
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import Cancelled, VerificationError
+from services.convert.experts import PlannedExperts, check_source_shape, convert_experts
 from services.convert.formats.base import CheckpointFormat
 from services.convert.plan import Plan, PlannedLayer
 from services.convert.safetensors_io import StreamingSafetensorsWriter
 from services.convert.tp import fuse, slice_cols, slice_rows
-from services.convert.verify import compare, compare_dense_stored
+from services.convert.verify import compare, compare_dense_stored, compare_int_stored, worst_of
 from services.storage.base import ArtifactStore, ArtifactWriter
 from services.storage.errors import ArtifactExistsError
 
@@ -101,8 +105,9 @@ def _header_reserve(plan: Plan) -> int:
     """Bytes to reserve for a rank file's safetensors header (about twice what it will need)."""
     per_entry = 160  # {"dtype":"BF16","shape":[...],"data_offsets":[...]} plus quoting
     linear = sum(MAX_TENSORS_PER_LAYER * (len(pl.name) + 24 + per_entry) for pl in plan.layers)
+    groups = sum(2 * MAX_TENSORS_PER_LAYER * (len(pe.name) + 28 + per_entry) for pe in plan.expert_groups)
     other = sum(len(n) + per_entry for n in plan.other_tensors)
-    return 4096 + linear + other
+    return 4096 + linear + groups + other
 
 
 def _finish_all(writers: list[StreamingSafetensorsWriter]) -> list[Path]:
@@ -111,12 +116,6 @@ def _finish_all(writers: list[StreamingSafetensorsWriter]) -> list[Path]:
         return [writers[0].finish()]
     with ThreadPoolExecutor(max_workers=len(writers), thread_name_prefix="kiln-finish") as pool:
         return list(pool.map(lambda w: w.finish(), writers))
-
-
-def _worst(a: LayerVerification | None, b: LayerVerification) -> LayerVerification:
-    if a is None or (b.metric != "exact" and (a.metric == "exact" or b.value > a.value)):
-        return b
-    return a
 
 
 def convert_layer(
@@ -129,6 +128,8 @@ def convert_layer(
     tensors = ckpt.read(pl.source_tensors)
     shards = [fmt.decode(s.module, pl.quant, tensors) for s in pl.layout.shards]
     del tensors
+    for shard, w in zip(pl.layout.shards, shards, strict=True):
+        check_source_shape(shard.module, w, (shard.size, pl.layout.k))
     worst: LayerVerification | None = None
     suffixes: list[str] | None = None
     for rank, spec in enumerate(pl.specs):
@@ -152,16 +153,19 @@ def convert_layer(
         if pl.kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not pl.online_fp8:
             check = compare_dense_stored(prepared["weight"], reference)
         else:
-            got = pl.kernel.dequantize(prepared, spec)
-            check = compare(got, reference, spec.torch_act_dtype, online_fp8=pl.online_fp8)
-            del got
+            act = spec.torch_act_dtype
+            stored = pl.kernel.stored_int_weight(prepared, spec) if isinstance(reference, IntWeight) else None
+            check = compare_int_stored(stored, reference, act) or compare(
+                pl.kernel.dequantize(prepared, spec), reference, act, online_fp8=pl.online_fp8
+            )
+            del stored
         if not check.ok:
             raise VerificationError(
                 f"layer {pl.name} (rank {rank}, kernel {pl.kernel.name}): the artifact's weights do not "
                 f"reproduce the source: {check.metric} {check.value:.4g} > bound {check.bound:.4g}; "
                 "this is a kernel layout bug — disable the kernel with KILN_DISABLED_KERNELS and report it"
             )
-        worst = _worst(worst, check)
+        worst = worst_of(worst, check)
         names = sorted(prepared)
         if suffixes is not None and names != suffixes:
             raise VerificationError(f"layer {pl.name}: ranks store different tensors ({suffixes} vs {names})")
@@ -250,19 +254,24 @@ def convert_plan(
         StreamingSafetensorsWriter(staged.scratch / f"rank{r}.safetensors", reserve_header_bytes=reserve)
         for r in range(plan.tp)
     ]
-    total = len(plan.layers) + 1
-    bytes_total = sum(ckpt.info(t).nbytes for pl in plan.layers for t in pl.source_tensors) + sum(
+    units: list[PlannedLayer | PlannedExperts] = [*plan.layers, *plan.expert_groups]
+    total = len(units) + 1
+    bytes_total = sum(ckpt.info(t).nbytes for u in units for t in u.source_tensors) + sum(
         ckpt.info(t).nbytes for t in plan.other_tensors
     )
     bytes_done = 0
     try:
         entries: dict[str, LayerEntry] = {}
-        for i, pl in enumerate(plan.layers):
+        groups: dict[str, ExpertGroupEntry] = {}
+        for i, pl in enumerate(units):
             if cancelled():
                 raise Cancelled(
                     f"conversion of {plan.source} for {plan.target.value} cancelled at layer {pl.name}"
                 )
-            entries[pl.name] = convert_layer(ckpt, fmt, plan, pl, rank_writers)
+            if isinstance(pl, PlannedExperts):
+                groups[pl.name] = convert_experts(ckpt, fmt, pl, plan.target, rank_writers)
+            else:
+                entries[pl.name] = convert_layer(ckpt, fmt, plan, pl, rank_writers)
             if staged.aid is None and (hashes := ckpt.hashes_if_ready()) is not None:
                 aid = plan_artifact_id(plan, hashes)
                 if (reused := _reuse(store, aid, plan)) is not None:
@@ -302,8 +311,10 @@ def convert_plan(
             files.append(FileEntry(name=name, size=size, sha256=digest, rank=None))
         if cancelled():
             raise Cancelled(f"conversion of {plan.source} for {plan.target.value} cancelled before commit")
-        checks = [e.verification for e in entries.values() if e.verification is not None]
+        recorded = [*entries.values(), *groups.values()]
+        checks = [e.verification for e in recorded if e.verification is not None]
         manifest = Manifest(
+            schema_version=MOE_SCHEMA_VERSION if groups else SCHEMA_VERSION,
             artifact_id=aid,
             kiln_version=kiln_version(),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -323,6 +334,8 @@ def convert_plan(
             hf_config=ckpt.config,
             layers=entries,
             other_tensors=plan.other_tensors,
+            expert_groups=groups,
+            expert_parallel=plan.expert_parallel,
             files=files,
             verification=Verification(
                 ok=all(c.ok for c in checks),

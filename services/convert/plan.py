@@ -14,9 +14,10 @@ from typing import Any, Literal
 from kernels.base import LinearKernel, LinearSpec, ShardSpec, Target
 from kernels.errors import NoKernelError, UnsupportedError
 from kernels.registry import candidates, choose_kernel
-from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape
+from runtime.model_layout import LinearLayout, ModelConfig, expert_groups, linear_layouts, rank_shape
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
+from services.convert.experts import PlannedExperts, plan_experts
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 
 Method = Literal["auto", "fp8"]
@@ -89,6 +90,8 @@ class Plan:
     layers: list[PlannedLayer]
     other_tensors: list[str]
     notes: list[str] = field(default_factory=list)
+    expert_groups: list[PlannedExperts] = field(default_factory=list)
+    expert_parallel: bool = False
 
     @property
     def rows(self) -> list[PlanRow]:
@@ -104,14 +107,36 @@ class Plan:
                 k=pl.specs[0].k,
             )
             for pl in self.layers
+        ] + [
+            PlanRow(
+                layer=pe.name,
+                shards=[f"{pe.layout.expert_prefix.format(e='*')}.{p}" for p in pe.layout.parts],
+                scheme=f"{pe.describe()}, {pe.target_quant.describe()}"
+                + (" (online)" if pe.online_fp8 else ""),
+                kernel=pe.kernel.name,
+                fallback=pe.fallback,
+                rejections=list(pe.rejected),
+                n=pe.specs[0].w13.n,
+                k=pe.specs[0].w13.k,
+            )
+            for pe in self.expert_groups
         ]
 
     @property
     def options(self) -> dict[str, Any]:
-        return {"fp8_scheme": self.fp8_scheme} if self.method == "fp8" else {}
+        """What besides source, target, tp, method and layouts determines the artifact's bytes."""
+        options: dict[str, Any] = {"fp8_scheme": self.fp8_scheme} if self.method == "fp8" else {}
+        if self.expert_parallel:
+            options["expert_parallel"] = True
+        return options
 
     def layout_versions(self) -> dict[str, int]:
-        return {pl.kernel.name: pl.kernel.layout_version for pl in self.layers}
+        kernels = [*(pl.kernel for pl in self.layers), *(pe.kernel for pe in self.expert_groups)]
+        return {k.name: k.layout_version for k in kernels}
+
+    @property
+    def num_fallbacks(self) -> int:
+        return sum(pl.fallback for pl in self.layers) + sum(pe.fallback for pe in self.expert_groups)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -127,7 +152,7 @@ class Plan:
             "notes": self.notes,
             "layers": [r.to_json() for r in self.rows],
             "other_tensors": self.other_tensors,
-            "fallbacks": sum(pl.fallback for pl in self.layers),
+            "fallbacks": self.num_fallbacks,
         }
 
 
@@ -152,15 +177,21 @@ def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:
     return first
 
 
-def _target_quant(quant: LayerQuant, layout: LinearLayout, method: str, fp8_scheme: str) -> LayerQuant:
-    if method != "fp8" or layout.name == "lm_head" or quant.scheme != "dense":
-        return quant
+def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
+    """What --method fp8 turns a dense layer into (vLLM's online FP8)."""
     return LayerQuant(
         "fp8",
         bits=8,
         fp8_strategy=fp8_scheme,  # type: ignore[arg-type]
         block_size=ONLINE_FP8_BLOCK if fp8_scheme == "block" else None,
     )
+
+
+def _target_quant(quant: LayerQuant, layout: LinearLayout, method: str, fp8_scheme: str) -> LayerQuant:
+    # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them
+    if method != "fp8" or layout.replicated or quant.scheme != "dense":
+        return quant
+    return online_fp8_quant(fp8_scheme)
 
 
 def rank_specs(
@@ -240,6 +271,7 @@ def build_plan(
     method: str = "auto",
     fp8_scheme: str = "tensor",
     disabled_kernels: tuple[str, ...] = (),
+    expert_parallel: bool = False,
 ) -> Plan:
     if method not in METHODS:
         raise UnsupportedError(f"method {method!r} is not supported; use one of {', '.join(METHODS)}")
@@ -275,6 +307,18 @@ def build_plan(
                     f"{layout.name}: kernel {kernel.name} rejects a TP rank's shape: {reason}"
                 )
         layers.append(PlannedLayer(layout, quant, tq, specs, kernel, rejected, fallback, sources))
+    online = online_fp8_quant(fp8_scheme) if method == "fp8" else None
+    groups = [
+        plan_experts(
+            ckpt, fmt, group, target=target, tp=tp, expert_parallel=expert_parallel, target_quant=online,
+            act_dtype=act_dtype, disabled=disabled_kernels,
+        )
+        for group in expert_groups(model)
+    ]  # fmt: skip
+    if expert_parallel and not groups:
+        raise UnsupportedError(f"--ep places whole experts per rank, but {model.architecture} has no experts")
+    for pe in groups:
+        consumed.update(pe.source_tensors)
     others = []
     dropped = []
     for name, info in sorted(ckpt.tensors.items()):
@@ -284,6 +328,12 @@ def build_plan(
         if suffix in DROPPED_SCALE_SUFFIXES:
             dropped.append(name)
             continue
+        if ".experts." in name:
+            raise ConversionError(
+                f"tensor {name} belongs to an expert the model config does not have (config.json says "
+                f"{model.moe.num_experts if model.moe else 0} experts per layer); fix num_experts or the "
+                "checkpoint"
+            )
         if suffix in QUANTIZED_SUFFIXES or info.dtype == "F8_E4M3":
             raise ConversionError(
                 f"tensor {name} belongs to a quantized layer Kiln does not know (only Llama-family "
@@ -313,6 +363,8 @@ def build_plan(
         layers=layers,
         other_tensors=others,
         notes=notes,
+        expert_groups=groups,
+        expert_parallel=expert_parallel,
     )
 
 

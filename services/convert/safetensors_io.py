@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -120,6 +122,8 @@ class StreamingSafetensorsWriter:
         self._pending: deque[tuple[Future[None], int]] = deque()
         self._pending_bytes = 0
         self._max_pending = max_pending_bytes
+        # reserved tensors written in slices: name -> (slice shape, slice bytes, slices not yet written)
+        self._reserved: dict[str, tuple[tuple[int, ...], int, set[int]]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
@@ -128,15 +132,7 @@ class StreamingSafetensorsWriter:
         if t.dtype not in DTYPE_NAMES:
             raise ConversionError(f"tensor {name}: dtype {t.dtype} cannot be stored in safetensors")
         length = t.numel() * t.element_size()
-        in_tail = length % 8 != 0
-        if in_tail:
-            if self._tail is None:
-                self._tail = self.scratch.open("w+b")
-            off = self._tail_offset
-            self._tail_offset += length
-        else:
-            off = self._offset
-            self._offset += length
+        off, in_tail = self._place(length)
         self._entries[name] = (DTYPE_NAMES[t.dtype], list(t.shape), off, length, in_tail)
         if not length:
             return
@@ -145,6 +141,53 @@ class StreamingSafetensorsWriter:
         assert out is not None
         self._pending.append((self._pool.submit(out.write, data), length))
         self._pending_bytes += length
+        while self._pending_bytes > self._max_pending:
+            self._wait_one()
+
+    def reserve(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Make room for a tensor that arrives in slices along its first dimension (`write_slice`),
+        e.g. an expert group stacked expert by expert: no slice needs to be held until the rest exist."""
+        if name in self._entries:
+            raise ConversionError(f"tensor {name} written twice to {self.path.name}")
+        if dtype not in DTYPE_NAMES or not shape or shape[0] < 1:
+            raise ConversionError(f"tensor {name}: cannot reserve {dtype} {shape}")
+        slice_bytes = math.prod(shape[1:]) * dtype.itemsize
+        length = shape[0] * slice_bytes
+        off, in_tail = self._place(length)
+        self._entries[name] = (DTYPE_NAMES[dtype], list(shape), off, length, in_tail)
+        self._reserved[name] = (tuple(shape[1:]), slice_bytes, set(range(shape[0])))
+        out = self._tail if in_tail else self._f
+        assert out is not None
+        self._pending.append((self._pool.submit(out.seek, length, os.SEEK_CUR), 0))  # later writes skip it
+
+    def _place(self, length: int) -> tuple[int, bool]:
+        """Room for `length` bytes: (offset, in the scratch tail). A length not a multiple of 8 goes to
+        the tail, moved after every aligned tensor at `finish`, so the aligned ones stay aligned."""
+        if length % 8:
+            if self._tail is None:
+                self._tail = self.scratch.open("w+b")
+            off, self._tail_offset = self._tail_offset, self._tail_offset + length
+            return off, True
+        off, self._offset = self._offset, self._offset + length
+        return off, False
+
+    def write_slice(self, name: str, index: int, tensor: torch.Tensor) -> None:
+        """Write slice `index` of a tensor made room for with `reserve`."""
+        shape, slice_bytes, missing = self._reserved[name]
+        dtype, _, off, _, in_tail = self._entries[name]
+        t = tensor.detach().contiguous().cpu()
+        if tuple(t.shape) != shape or DTYPE_NAMES.get(t.dtype) != dtype or index not in missing:
+            raise ConversionError(
+                f"tensor {name}: slice {index} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+                + ("" if index in missing else " (written twice or out of range)")
+            )
+        missing.discard(index)
+        out = self._tail if in_tail else self._f
+        assert out is not None
+        pos = (0 if in_tail else self._reserve) + off + index * slice_bytes
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        self._pending.append((self._pool.submit(os.pwrite, out.fileno(), data, pos), slice_bytes))
+        self._pending_bytes += slice_bytes
         while self._pending_bytes > self._max_pending:
             self._wait_one()
 
@@ -182,6 +225,9 @@ class StreamingSafetensorsWriter:
             self._drain()
         finally:
             self._pool.shutdown(wait=True)
+        unwritten = {name: sorted(left)[:5] for name, (_, _, left) in self._reserved.items() if left}
+        if unwritten:
+            raise ConversionError(f"{self.path.name}: reserved tensors never fully written: {unwritten}")
         hbytes, tail = self._header()
         if self._tail is not None:
             self._tail.flush()

@@ -115,6 +115,31 @@ def compare_dense_stored(stored: torch.Tensor, source: DenseWeight) -> LayerVeri
     return compare_float(stored, source.weight, DENSE_CAST_REL_BOUND, try_exact=True)
 
 
+def compare_int_stored(
+    stored: IntWeight | None, source: SourceWeight, act_dtype: torch.dtype
+) -> LayerVerification | None:
+    """ "exact" when the integer weight a layout stores (`LinearKernel.stored_int_weight`) equals the
+    source value for value: codes, zero points, group of every input channel, scales as in the
+    checkpoint or cast to the activation dtype. None otherwise: the caller then compares the
+    dequantized weights, which also measures how far off they are."""
+    if stored is None or not isinstance(source, IntWeight):
+        return None
+    if stored.bits != source.bits or stored.codes.shape != source.codes.shape:
+        return None
+    if not torch.equal(stored.codes, source.codes.to(stored.codes.dtype)):
+        return None
+    if (stored.zeros is None) != (source.zeros is None):
+        return None
+    if stored.zeros is not None and not torch.equal(stored.zeros, source.zeros.to(stored.zeros.dtype)):  # type: ignore[union-attr]
+        return None
+    if not torch.equal(stored.group_index(), source.group_index()):
+        return None
+    scales = (source.scales, source.scales.to(act_dtype))
+    if not any(s.dtype == stored.scales.dtype and torch.equal(s, stored.scales) for s in scales):
+        return None
+    return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+
+
 def compare(
     got: torch.Tensor, source: SourceWeight, act_dtype: torch.dtype, *, online_fp8: bool = False
 ) -> LayerVerification:
@@ -145,3 +170,10 @@ def compare(
     if value != value:  # NaN (a non-finite weight) never passes
         value = float("inf")
     return LayerVerification(ok=value <= bound, metric="max_rel_err", value=value, bound=bound)
+
+
+def worst_of(a: LayerVerification | None, b: LayerVerification) -> LayerVerification:
+    """The worse of two checks (any inexact one is worse than an exact one): a layer's record."""
+    if a is None or (b.metric != "exact" and (a.metric == "exact" or b.value > a.value)):
+        return b
+    return a

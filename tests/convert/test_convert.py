@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from kernels.base import LinearSpec
+from kernels.base import LinearSpec, Target
 from kernels.registry import get_kernel
 from runtime.artifact.manifest import Manifest
 from services.convert.library import (
@@ -198,14 +199,14 @@ def test_verification_failure_fails_the_job_and_leaves_nothing(
     ckpt: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kernel = get_kernel("marlin_wna16")
-    real = type(kernel).dequantize
+    real = type(kernel).prepare
 
-    def off_by_one_step(self: object, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        w = real(kernel, tensors, spec)
-        w[0, 0] += tensors["scales"].float().abs().max()  # one code off in one element: a layout bug
-        return w
+    def one_code_off(self: object, weight: Any, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+        tensors = real(kernel, weight, spec, target)
+        tensors["qweight"][0, 0] ^= 1  # one code of one element changed: a layout bug
+        return tensors
 
-    monkeypatch.setattr(type(kernel), "dequantize", off_by_one_step)
+    monkeypatch.setattr(type(kernel), "prepare", one_code_off)
     work = tmp_path / "work"
     work.mkdir()
     with pytest.raises(VerificationError, match=r"qkv_proj.*marlin_wna16"):

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from kernels.base import DenseWeight
 from kernels.dense import DenseKernel
 from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.errors import ConversionError
 from services.convert.library import ConversionRequest, VerificationError, convert
 from services.convert.pipeline import Progress
 from services.convert.safetensors_io import StreamingSafetensorsWriter
@@ -191,3 +192,46 @@ def test_source_hashes_arrive_while_converting(
         assert max(p.done for p in seen if p.stage == "converting") < len(first.manifest.layers)
     assert list(work.iterdir()) == [] and LocalStore(out).staging_entries() == []
     assert LocalStore(out).list_ids() == [first.artifact_id]
+
+
+def test_reserved_tensors_written_in_slices_interleave_with_others(tmp_path: Path) -> None:
+    """Stacked expert tensors arrive expert by expert, interleaved with each other and with whole
+    tensors; odd-sized ones land in the tail. The file reads back exactly and validates strictly."""
+    from runtime.artifact.safetensors_header import validate_header
+
+    gen = torch.Generator().manual_seed(0)
+    stacked = {
+        "g.w13.qweight": torch.randint(-(2**31), 2**31 - 1, (3, 8, 16), generator=gen, dtype=torch.int32),
+        "g.w13.scales": torch.randn(3, 2, 5, generator=gen).to(torch.bfloat16),  # 60 bytes: tail
+        "g.w2.weight": torch.randn(3, 4, 4, generator=gen),
+    }
+    whole = {"a.weight": torch.randn(6, 6, generator=gen), "b.bias": torch.randn(3, generator=gen)}
+    path = tmp_path / "rank0.safetensors"
+    w = StreamingSafetensorsWriter(path, reserve_header_bytes=64, max_pending_bytes=32)
+    w.add("a.weight", whole["a.weight"])
+    for name, t in stacked.items():
+        w.reserve(name, t.dtype, tuple(t.shape))
+    w.add("b.bias", whole["b.bias"])
+    for e in (2, 0, 1):  # any order
+        for name, t in stacked.items():
+            w.write_slice(name, e, t[e])
+    w.finish()
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    validate_header(path.name, raw[: 8 + header_len], len(raw))
+    with safe_open(str(path), "pt") as f:
+        for name, t in {**stacked, **whole}.items():
+            assert torch.equal(f.get_tensor(name), t), name
+
+
+def test_a_reserved_tensor_left_incomplete_fails_the_file(tmp_path: Path) -> None:
+    w = StreamingSafetensorsWriter(tmp_path / "x.safetensors")
+    w.reserve("g.w2.weight", torch.float32, (4, 2))
+    w.write_slice("g.w2.weight", 1, torch.zeros(2))
+    with pytest.raises(ConversionError, match=r"never fully written.*\[0, 2, 3\]"):
+        w.finish()
+    with pytest.raises(ConversionError, match="written twice"):
+        w2 = StreamingSafetensorsWriter(tmp_path / "y.safetensors")
+        w2.reserve("t", torch.float32, (2, 2))
+        w2.write_slice("t", 0, torch.zeros(2))
+        w2.write_slice("t", 0, torch.zeros(2))

@@ -269,6 +269,22 @@ def test_int_layouts_round_trip_exactly(dtype: torch.dtype) -> None:
             assert torch.equal(k.dequantize(tensors, spec), w.dequantize()), (name, case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int_layouts_give_back_the_source_int_weight(dtype: torch.dtype) -> None:
+    """`stored_int_weight` (what verification compares code for code) is the source weight: codes
+    in source row order, zero points, group of every input channel, scales cast to the act dtype."""
+    for name, cases in (("gptq_wna16", GPTQ_CASES), ("marlin_wna16", MARLIN_CASES)):
+        for case in cases:
+            k, tensors, spec, w = prepared(name, case, dtype)
+            got = k.stored_int_weight(tensors, spec)
+            assert torch.equal(got.codes, w.codes) and got.bits == w.bits, (name, case)
+            assert (got.zeros is None) == (w.zeros is None), (name, case)
+            assert got.zeros is None or torch.equal(got.zeros, w.zeros), (name, case)
+            assert torch.equal(got.group_index(), w.group_index()), (name, case)
+            assert torch.equal(got.scales, w.scales.to(dtype)), (name, case)
+            assert torch.equal(got.dequantize(), k.dequantize(tensors, spec)), (name, case)
+
+
 def test_gptq_stored_tensors() -> None:
     from kernels.codecs.bitpack import pack_cols, pack_rows
 

@@ -69,3 +69,39 @@ def test_unreachable_store_is_a_transient_error_that_keeps_the_job(
         assert job.error is not None and job.error.startswith(
             "failed after 2 attempts; last error: transient"
         )
+
+
+def test_embedded_api_converts_a_moe_checkpoint_expert_parallel(
+    tmp_path: Path, serve_app: Callable[..., str]
+) -> None:
+    """`options.expert_parallel` over REST: each rank file holds only its experts, as `kiln convert --ep`."""
+    from runtime.artifact.manifest import Manifest
+    from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
+
+    source = write_checkpoint(tmp_path / "qwen3-moe", "gptq", dims=QWEN3_MOE_TINY, group_size=64)
+    settings = Settings(_env_file=None, data_dir=tmp_path / "var", environment="development")  # type: ignore[call-arg]
+    migrate.upgrade(settings.resolved_database_url)
+    url = serve_app(create_app(settings))
+    token = create_token(settings)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        bad = client.post(
+            "/v1/conversions",
+            json={"source": str(source), "targets": ["cpu"], "tp": 2, "options": {"expert_parallel": "yes"}},
+        )
+        assert bad.status_code == 422 and "expert_parallel" in bad.text
+        r = client.post(
+            "/v1/conversions",
+            json={"source": str(source), "targets": ["cpu"], "tp": 2, "options": {"expert_parallel": True}},
+        )
+        assert r.status_code == 202, r.text
+        job = wait_for_job(client, r.json()["id"], timeout=120)
+        assert job["status"] == "succeeded", job
+        assert job["options"]["expert_parallel"] is True
+        [aid] = job["artifact_ids"]
+    manifest = Manifest.parse((Path(settings.resolved_store_url) / aid / "manifest.json").read_bytes())
+    assert manifest.expert_parallel and manifest.tp == 2
+    spec = next(iter(manifest.expert_groups.values())).moe_spec()
+    assert (spec.num_experts, spec.total_experts) == (
+        QWEN3_MOE_TINY.num_experts // 2,
+        QWEN3_MOE_TINY.num_experts,
+    )

@@ -1,0 +1,187 @@
+"""The contract of mixture-of-experts kernels: one expert group (every expert's gate|up and down
+projections of one MoE layer) prepared and run as a unit.
+
+Layout: an expert-group kernel stores, for each tensor its per-expert layout has, ONE stacked tensor
+with the experts as the leading dimension: `w13.<suffix>` (E, ...) holds every expert's fused
+gate|up (gate rows first, as vLLM's `w13`) and `w2.<suffix>` (E, ...) every expert's down projection.
+Expert e's slice is exactly what the per-expert layout would store for that expert alone, so a Marlin
+expert group is byte for byte vLLM's `gptq_marlin_moe_repack` (`gptq_marlin_repack` per expert).
+
+Offline (converter): `prepare_expert(w13, w2, spec, target)` turns one expert's canonical weights into
+its slices; the converter writes them into the stacked tensors expert by expert (bounded memory).
+Runtime: `apply(x, topk_ids, topk_weights, tensors, spec)` runs the whole expert MLP of the layer —
+for every token, sum over its k experts of weight * down(silu(gate(x)) * up(x)) — and returns
+(T, H). Expert ids are global; a rank holding experts [first_expert, first_expert + num_experts)
+(expert parallel) adds only theirs (the runtime all-reduces across ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor
+from kernels.targets import Target
+
+MoEApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+W13, W2 = "w13", "w2"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One MoE layer's expert group on one rank. `w13` / `w2` describe ONE expert's projections on
+    this rank: w13 n = 2 * I / tp (shards gate, up), k = H; w2 n = H, k = I / tp (row-parallel)."""
+
+    name: str  # runtime name, e.g. "model.layers.3.mlp.experts"
+    num_experts: int  # experts stored on this rank
+    top_k: int
+    w13: LinearSpec
+    w2: LinearSpec
+    first_expert: int = 0  # global id of this rank's first expert (expert parallel)
+    total_experts: int = 0  # experts of the whole layer (0: num_experts)
+
+    def __post_init__(self) -> None:
+        if self.total_experts == 0:
+            object.__setattr__(self, "total_experts", self.num_experts)
+
+    @property
+    def hidden(self) -> int:
+        return self.w13.k
+
+    @property
+    def intermediate(self) -> int:
+        """This rank's intermediate size per expert."""
+        return self.w2.k
+
+    def part(self, prefix: str) -> LinearSpec:
+        return self.w13 if prefix == W13 else self.w2
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["w13"], d["w2"] = self.w13.to_json(), self.w2.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> MoESpec:
+        d = dict(d)
+        d["w13"], d["w2"] = LinearSpec.from_json(d["w13"]), LinearSpec.from_json(d["w2"])
+        return cls(**d)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for (T, 2I) gate|up rows, computed in fp32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MoEKernel(ABC):
+    """An expert-group kernel: owns a stacked per-expert layout (prepare_expert / dequantize_expert)
+    and runs the layer's expert MLP (apply). Declares what it is as a `LinearKernel` does."""
+
+    name: ClassVar[str]
+    layout_version: ClassVar[int] = 1
+    schemes: ClassVar[frozenset[str]]
+    targets: ClassVar[frozenset[Target]]
+    elsewhere: ClassVar[str] = ""
+    cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
+    based_on: ClassVar[str] = ""  # the linear kernel whose per-expert layout it stacks
+    description: ClassVar[str] = ""
+
+    def can_implement(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
+        """(True, "") or (False, a reason the user can act on)."""
+        if target not in self.targets:
+            names = "/".join(sorted(t.value for t in self.targets))
+            hint = f"; {self.elsewhere}" if self.elsewhere else ""
+            return False, f"{self.name} runs on {names} only (got {target.value}){hint}"
+        if spec.w13.scheme not in self.schemes or spec.w2.scheme != spec.w13.scheme:
+            schemes = "/".join(sorted(self.schemes))
+            return False, (
+                f"{self.name} takes {schemes} experts, not w13 {spec.w13.scheme!r} / w2 {spec.w2.scheme!r}"
+            )
+        return self.supports(spec, target)
+
+    def supports(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
+        return True, ""
+
+    @abstractmethod
+    def stored_tensors(self, spec: MoESpec, target: Target) -> dict[str, StoredTensor]:
+        """Stacked tensors of the group on this rank: "w13.<suffix>" / "w2.<suffix>" -> (E, ...)."""
+
+    @abstractmethod
+    def prepare_expert(
+        self, w13: SourceWeight, w2: SourceWeight, spec: MoESpec, target: Target
+    ) -> dict[str, torch.Tensor]:
+        """One expert's slices of the stacked tensors (same keys, no leading E dimension)."""
+
+    @abstractmethod
+    def dequantize_expert(
+        self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `expert`'s (w13 (2I, H), w2 (H, I)) float32 weights."""
+
+    def stored_int_weights(
+        self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int
+    ) -> tuple[IntWeight | None, IntWeight | None]:
+        """Local expert `expert`'s (w13, w2) as `LinearKernel.stored_int_weight` gives them, for
+        verification without dequantizing; (None, None): verified through `dequantize_expert`."""
+        return None, None
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        spec: MoESpec,
+    ) -> torch.Tensor:
+        """x (T, H), topk_ids (T, k) global expert ids, topk_weights (T, k) -> (T, H) in x's dtype."""
+        return self.bind_apply(tensors, spec)(x, topk_ids, topk_weights)
+
+    @abstractmethod
+    def bind_apply(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> MoEApply:
+        """`apply` for one bound group, as the runtime's hot path calls it (tensors resolved once)."""
+
+    def reference(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        spec: MoESpec,
+    ) -> torch.Tensor:
+        """Pure-torch twin of `apply`: dequantize every routed local expert (biases added), compute
+        in fp32."""
+        out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
+        xf = x.float()
+        b13, b2 = tensors.get(f"{W13}.bias"), tensors.get(f"{W2}.bias")
+        for e in range(spec.num_experts):
+            token, slot = torch.nonzero(topk_ids == spec.first_expert + e, as_tuple=True)
+            if token.numel() == 0:
+                continue
+            w13, w2 = self.dequantize_expert(tensors, spec, e)
+            h = xf[token] @ w13.T
+            if b13 is not None:
+                h = h + b13[e].float()
+            y = swiglu(h) @ w2.T
+            if b2 is not None:
+                y = y + b2[e].float()
+            out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+        return out.to(x.dtype)
+
+
+def expert_slices(tensors: dict[str, torch.Tensor], prefix: str, expert: int) -> dict[str, torch.Tensor]:
+    """Expert `expert`'s per-expert tensors of the w13 or w2 part: "w13.qweight"[e] -> "qweight"."""
+    head = prefix + "."
+    return {name[len(head) :]: t[expert] for name, t in tensors.items() if name.startswith(head)}
+
+
+@dataclass
+class MoEKernelChoice:
+    kernel: MoEKernel
+    rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)

@@ -1,0 +1,311 @@
+"""Serving Qwen3, Qwen3-MoE and Mixtral artifacts on CPU against transformers on the same checkpoint.
+
+Every cell converts a real checkpoint (tests/fixtures/moe_checkpoints.py: transformers-built, quantized
+by llm-compressor) for the cpu target and compares the runtime's logits with transformers' fp32 model
+holding the checkpoint's weights (quantized ones dequantized by compressed-tensors). Online FP8
+(`--method fp8` on a bf16 source) is compared with the bf16 model whose linears are fake-quantized
+the way the converter documents it (one e4m3 scale per fused layer and per expert's w13 / w2).
+
+Top-k routing is discontinuous: where the reference's k-th and (k+1)-th router logits are within
+bf16 noise of each other, the runtime (bf16 activations) may pick the other expert and that token's
+logits move by a few tenths. Such positions are held to the loose bound only; every other position
+to the tight one, and most positions must be of the other kind for the test to mean anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from runtime.engine import Engine
+from runtime.eval import runtime_logits_fn
+from runtime.loader import LoadedModel, load_model
+from runtime.sampling import SamplingParams
+from services.convert.library import ConversionRequest, convert
+from tests.runtime.serving import MODEL_NAME, serve_artifact
+from tests.runtime.tp_ranks import ranks_tokens, single_process_tokens
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 90)), [100, 3, 250, 17, 42, 42, 42, 200, 31, 7]]
+
+# Logits of these models have std ≈ 0.8. Measured on PROMPTS (max over cells): decided positions
+# max |Δ| 0.031, any position 0.43 (one expert flipped at a router near-tie), mean |Δ| 0.017;
+# bf16 sources and FP8 block weights run in fp32 on cpu and match to 1e-6.
+ROUTER_TIE_LOGIT_GAP = 0.01  # reference k-th minus (k+1)-th router logit below this: a near-tie
+LOGITS_DECIDED_MAX_ABS_TOL = 0.06  # positions where every MoE layer's routing is decided
+LOGITS_MAX_ABS_TOL = 1.0  # any position
+LOGITS_MEAN_ABS_TOL = 0.03  # over positions and vocabulary
+MIN_DECIDED_FRACTION = 0.75  # of all positions, else the tight bound would check too little
+LOGPROB_DECIDED_ATOL = 0.08  # /v1/completions echo log-probabilities, decided positions
+# FP8 KV cache (e4m3, per-layer scales) on top of the weights, decode steps: measured max |Δ| 0.21.
+KV_FP8_DECIDED_LOGPROB_ATOL = 0.35
+GREEDY_TOKENS = 12
+
+# cell -> (source checkpoint fixture, conversion method, experts' kernel on cpu)
+CELLS: dict[str, tuple[str, str, str | None]] = {
+    "qwen3-dense-bf16": ("qwen3_dense_bf16", "auto", None),
+    "qwen3-moe-bf16": ("qwen3_moe_bf16", "auto", "dense_experts"),
+    "qwen3-moe-bf16-online-fp8": ("qwen3_moe_bf16", "fp8", "cpu_fp8_experts"),
+    "qwen3-moe-gptq-w4a16": ("qwen3_moe_gptq", "auto", "cpu_int4_experts"),
+    "qwen3-moe-fp8-dynamic": ("qwen3_moe_fp8_dynamic", "auto", "cpu_fp8_experts"),
+    "qwen3-moe-fp8-block": ("qwen3_moe_fp8_block", "auto", "cpu_fp8_experts"),
+    "qwen3-moe-odd-gptq-w4a16-g32": ("qwen3_moe_odd_gptq", "auto", "cpu_int4_experts"),
+    "mixtral-bf16": ("mixtral_bf16", "auto", "dense_experts"),
+    "mixtral-gptq-w4a16": ("mixtral_gptq", "auto", "cpu_int4_experts"),
+    "mixtral-fp8-dynamic": ("mixtral_fp8_dynamic", "auto", "cpu_fp8_experts"),
+    "mixtral-fp8-block": ("mixtral_fp8_block", "auto", "cpu_fp8_experts"),
+}
+# Served over HTTP and decoded with an FP8 KV cache: each architecture and kind of source once.
+SERVED_CELLS = [
+    "qwen3-dense-bf16",
+    "qwen3-moe-gptq-w4a16",
+    "mixtral-fp8-dynamic",
+    "qwen3-moe-bf16-online-fp8",
+]
+
+
+def _convert(source: Path, out: Path, method: str = "auto", **kw: Any) -> Path:
+    (result,) = convert(ConversionRequest(str(source), ["cpu"], method=method, out=str(out), **kw))
+    assert result.manifest.verification.ok
+    return out / result.manifest.artifact_id
+
+
+# --- the reference ----------------------------------------------------------------------------------
+
+
+def _fake_fp8(w: torch.Tensor) -> torch.Tensor:
+    """One e4m3 scale for the whole tensor (amax / 448), round to e4m3 and back."""
+    scale = w.abs().amax().float() / 448.0
+    return ((w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+
+
+@torch.no_grad()
+def fake_quantize_online_fp8(model: Any) -> Any:
+    """The bf16 model as the converter's per-tensor online FP8 leaves it: q|k|v and gate|up fused
+    under one scale, o / down one each, each expert's gate|up one scale and its down another; the
+    router, embeddings, norms and lm_head untouched."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        fq = _fake_fp8(qkv)
+        sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+        for lin, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), fq.split(sizes), strict=True):
+            lin.weight.copy_(part)
+        attn.o_proj.weight.copy_(_fake_fp8(attn.o_proj.weight))
+        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+        experts = getattr(block, "experts", None)
+        if experts is None:
+            gate_up = _fake_fp8(torch.cat([block.gate_proj.weight, block.up_proj.weight]))
+            block.gate_proj.weight.copy_(gate_up[: block.gate_proj.weight.shape[0]])
+            block.up_proj.weight.copy_(gate_up[block.gate_proj.weight.shape[0] :])
+            block.down_proj.weight.copy_(_fake_fp8(block.down_proj.weight))
+            continue
+        for e in range(experts.gate_up_proj.shape[0]):
+            experts.gate_up_proj[e].copy_(_fake_fp8(experts.gate_up_proj[e]))  # (2I, H)
+            experts.down_proj[e].copy_(_fake_fp8(experts.down_proj[e]))  # (H, I)
+    return model
+
+
+@dataclass
+class Cell:
+    name: str
+    loaded: LoadedModel
+    artifact: Path
+    reference: Any  # transformers model, fp32
+    routers: dict[str, torch.Tensor]  # filled by forward hooks: MoE layer -> (T, E) router logits
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, V) fp32 logits and (T,) bool: routing decided in every MoE layer at that position."""
+        self.routers.clear()
+        logits = self.reference(torch.tensor([ids])).logits[0].float()
+        decided = torch.ones(len(ids), dtype=torch.bool)
+        top_k = self.reference.config.num_experts_per_tok if self.routers else 0
+        for router_logits in self.routers.values():
+            top = router_logits.reshape(len(ids), -1).topk(top_k + 1, dim=-1).values
+            decided &= (top[:, top_k - 1] - top[:, top_k]) >= ROUTER_TIE_LOGIT_GAP
+        return logits, decided
+
+
+def _record_router_logits(model: Any, into: dict[str, torch.Tensor]) -> None:
+    def hook(name: str) -> Callable[..., None]:
+        def record(_module: Any, _inputs: Any, output: Any) -> None:
+            into[name] = (output[0] if isinstance(output, tuple) else output).detach().float()
+
+        return record
+
+    for name, module in model.named_modules():
+        if name.endswith((".mlp.gate", ".block_sparse_moe.gate")):
+            module.register_forward_hook(hook(name))
+
+
+@pytest.fixture(scope="module")
+def cells(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Cell]:
+    """cells(name) -> the converted, loaded cell and its reference (built once per module)."""
+    from tests.fixtures.moe_checkpoints import load_reference_model
+
+    built: dict[str, Cell] = {}
+
+    def get(name: str) -> Cell:
+        if name not in built:
+            torch.set_num_threads(2)
+            fixture, method, _ = CELLS[name]
+            source: Path = request.getfixturevalue(fixture)
+            artifact = _convert(source, tmp_path_factory.mktemp(name), method)
+            reference = load_reference_model(source)  # its own copy: hooks are added below
+            if method == "fp8":
+                reference = fake_quantize_online_fp8(reference)
+            routers: dict[str, torch.Tensor] = {}
+            _record_router_logits(reference, routers)
+            built[name] = Cell(name, load_model(artifact), artifact, reference, routers)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(params=list(CELLS))
+def cell(request: pytest.FixtureRequest, cells: Callable[[str], Cell]) -> Cell:
+    return cells(request.param)
+
+
+@pytest.fixture(params=SERVED_CELLS)
+def served_cell(request: pytest.FixtureRequest, cells: Callable[[str], Cell]) -> Cell:
+    return cells(request.param)
+
+
+def _check_logits(got: torch.Tensor, want: torch.Tensor, decided: torch.Tensor, decided_tol: float) -> str:
+    diff = (got - want).abs()  # (T, V)
+    per_position = diff.max(-1).values
+    report = (
+        f"max |Δ| decided {per_position[decided].max().item():.4f}, any {per_position.max().item():.4f}, "
+        f"mean {diff.mean().item():.4f}, decided {int(decided.sum())}/{len(decided)}"
+    )
+    assert per_position[decided].max().item() <= decided_tol, report
+    assert per_position.max().item() <= LOGITS_MAX_ABS_TOL, report
+    assert diff.mean().item() <= LOGITS_MEAN_ABS_TOL, report
+    return report
+
+
+# --- logits --------------------------------------------------------------------------------------------
+
+
+def test_the_cell_converts_with_the_expected_expert_kernel(cell: Cell) -> None:
+    manifest = cell.loaded.manifest
+    kernel = CELLS[cell.name][2]
+    if kernel is None:
+        assert not manifest.expert_groups and manifest.schema_version == 1
+        return
+    assert manifest.expert_groups and {e.kernel for e in manifest.expert_groups.values()} == {kernel}
+    assert all(e.verification is not None and e.verification.ok for e in manifest.expert_groups.values())
+
+
+@torch.inference_mode()
+def test_logits_match_transformers(cell: Cell) -> None:
+    logits_fn = runtime_logits_fn(cell.loaded)
+    decided_all = []
+    for ids in PROMPTS:
+        want, decided = cell.reference_logits(ids)
+        got = logits_fn(torch.tensor([ids]))[0].float()
+        report = _check_logits(got, want, decided, LOGITS_DECIDED_MAX_ABS_TOL)
+        print(f"\n{cell.name} prompt of {len(ids)}: {report}")
+        decided_all.append(decided)
+    decided_cat = torch.cat(decided_all)
+    assert decided_cat.float().mean().item() >= MIN_DECIDED_FRACTION, "too many router near-ties to judge"
+
+
+@torch.inference_mode()
+def test_decode_with_an_fp8_kv_cache_follows_transformers(served_cell: Cell) -> None:
+    """`--kv-cache-dtype fp8`: decode reads e4m3 K/V; every greedy token's log-probability (from the
+    engine) against transformers' on the same prefix."""
+    cell = served_cell
+    engine = Engine(load_model(cell.artifact, kv_cache_dtype="fp8"), max_num_seqs=4, max_model_len=128)
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    generated: dict[int, list[tuple[int, float]]] = {i: [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.logprobs is not None
+            generated[int(out.request_id)] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+    for i, prompt in enumerate(PROMPTS):
+        tokens = [t for t, _ in generated[i]]
+        assert len(tokens) == GREEDY_TOKENS
+        logits, decided = cell.reference_logits(prompt + tokens[:-1])
+        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + GREEDY_TOKENS)
+        want = torch.log_softmax(logits, -1)[rows, torch.tensor(tokens)]  # (GREEDY_TOKENS,)
+        diff = (torch.tensor([lp for _, lp in generated[i]]) - want).abs()
+        print(f"\n{cell.name} fp8 KV decode: max |Δ logprob| {diff[decided[rows]].max().item():.4f}")
+        assert diff[decided[rows]].max().item() <= KV_FP8_DECIDED_LOGPROB_ATOL, diff
+        assert diff.max().item() <= 2 * LOGITS_MAX_ABS_TOL, diff
+
+
+def test_completions_echo_logprobs_match_transformers(served_cell: Cell) -> None:
+    """Prompt log-probabilities over HTTP (lm-eval's loglikelihood request) against transformers'."""
+    cell = served_cell
+    with (
+        serve_artifact(cell.artifact, max_model_len=128) as server,
+        httpx.Client(base_url=server.base_url) as client,
+    ):
+        body = client.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": PROMPTS, "max_tokens": 1, "logprobs": 1, "echo": True,
+                  "temperature": 0},
+            timeout=120,
+        ).json()  # fmt: skip
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(PROMPTS)
+    for ids, choice in zip(PROMPTS, choices, strict=True):
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert token_logprobs[0] is None and len(token_logprobs) == len(ids) + 1
+        logits, decided = cell.reference_logits(ids)
+        want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]  # (T-1,)
+        got = torch.tensor(token_logprobs[1 : len(ids)])
+        # position t's log-probability comes from the logits at t-1
+        diff = (got - want).abs()
+        assert diff[decided[:-1]].max().item() <= LOGPROB_DECIDED_ATOL, diff
+        assert diff.max().item() <= LOGITS_MAX_ABS_TOL * 2, diff
+        assert all(math.isfinite(v) for v in token_logprobs[1:])
+
+
+# --- tensor and expert parallel ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_two_ranks_give_the_same_greedy_tokens_as_one(
+    fixture: str, expert_parallel: bool, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    source: Path = request.getfixturevalue(fixture)
+    expected = single_process_tokens(_convert(source, tmp_path / "tp1"), PROMPTS, GREEDY_TOKENS)
+    artifact = _convert(source, tmp_path / "tp2", tp=2, expert_parallel=expert_parallel)
+    assert ranks_tokens(artifact, 2, tmp_path, PROMPTS, GREEDY_TOKENS) == [expected, expected]
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+
+
+def test_kiln_generate_serves_an_moe_artifact_with_an_fp8_kv_cache(
+    qwen3_moe_gptq: Path, tmp_path: Path
+) -> None:
+    """`kiln generate` as a user runs it, on a Qwen3-MoE GPTQ artifact, FP8 KV cache, --verify."""
+    artifact = _convert(qwen3_moe_gptq, tmp_path)
+    cmd = [sys.executable, "-m", "services.cli", "generate", str(artifact), "--prompt", "hello there",
+           "--max-tokens", "8", "--kv-cache-dtype", "fp8", "--verify"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    generated = re.search(r"(\d+) tokens at\s+[\d.]+ tok/s", proc.stderr)
+    assert generated and int(generated.group(1)) >= 1, proc.stderr[-2000:]
