@@ -93,6 +93,12 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == status.HTTP_400_BAD_REQUEST and exc.__cause__ is not None:
+            # FastAPI's answer to a body it could not decode (e.g. not UTF-8): a 400 outside the
+            # documented responses; an undecodable body is as invalid as malformed JSON, a 422.
+            error = {"type": "json_invalid", "loc": ["body"], "input": None,
+                     "msg": "the request body is not JSON text in UTF-8"}  # fmt: skip
+            return JSONResponse({"detail": [error]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
         if exc.status_code != status.HTTP_405_METHOD_NOT_ALLOWED:
             return await http_exception_handler(request, exc)
         # Starlette lists only the matched route's methods; a path served by several routes
