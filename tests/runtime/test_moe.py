@@ -42,7 +42,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 90)), [100, 3, 250, 17, 42, 4
 # Logits of these models have std ≈ 0.8. Measured on PROMPTS (max over cells): decided positions
 # max |Δ| 0.031, any position 0.43 (one expert flipped at a router near-tie), mean |Δ| 0.017;
 # bf16 sources and FP8 block weights run in fp32 on cpu and match to 1e-6.
-ROUTER_TIE_LOGIT_GAP = 0.01  # reference k-th minus (k+1)-th router logit below this: a near-tie
+ROUTER_TIE_LOGIT_GAP = 0.03  # reference k-th minus (k+1)-th router logit below this: a near-tie
+# (CPU kernels round activations to bf16, 2^-9 relative: router logits move by up to ≈0.02 here; at
+# 0.01 an expert flipped at a "decided" position on a Xeon without avx512_bf16, where compute is fp32)
 LOGITS_DECIDED_MAX_ABS_TOL = 0.06  # positions where every MoE layer's routing is decided
 LOGITS_MAX_ABS_TOL = 1.0  # any position
 LOGITS_MEAN_ABS_TOL = 0.03  # over positions and vocabulary
