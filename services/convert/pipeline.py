@@ -28,6 +28,7 @@ import torch
 from kernels.base import DenseWeight, IntWeight, SourceWeight, Target, check_stored
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.errors import LayoutError
+from runtime.artifact.hf_config import artifact_hf_config
 from runtime.artifact.manifest import (
     MOE_SCHEMA_VERSION,
     SCHEMA_VERSION,
@@ -306,7 +307,12 @@ def convert_plan(
         for rank, (w, path) in enumerate(zip(rank_writers, _finish_all(rank_writers), strict=True)):
             size, digest = writer.put_file(path.name, path, move=True, sha256=w.sha256)
             files.append(FileEntry(name=path.name, size=size, sha256=digest, rank=rank))
-        for name in ["config.json", *ckpt.present_side_files()]:
+        config = artifact_hf_config(
+            ckpt.config, artifact_id=aid, target=plan.target.value, source_format=plan.format
+        )
+        size, digest = writer.put_bytes("config.json", config)
+        files.append(FileEntry(name="config.json", size=size, sha256=digest, rank=None))
+        for name in ckpt.present_side_files():
             size, digest = writer.put_bytes(name, ckpt.source.read_bytes(name))
             files.append(FileEntry(name=name, size=size, sha256=digest, rank=None))
         if cancelled():

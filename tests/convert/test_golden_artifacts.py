@@ -40,126 +40,128 @@ CASES: dict[str, tuple[str, str, int, str, str]] = {
 VOLATILE = ("created_at", "kiln_version")
 
 # Recorded before the structure refactor: case -> (artifact id, sha256 of each file but the manifest,
-# sha256 of the canonical manifest).
+# sha256 of the canonical manifest). Re-recorded once since, for artifact revision 2 (config.json
+# carries Kiln's quantization config, runtime/artifact/hf_config.py): ids, config.json and manifests
+# changed, every rank file hashed as before.
 GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
     "awq-sm86": (
-        "ka-18bdff0bf9be97386263e666abc270e4",
+        "ka-ac0fa56edf1b0b0109461cbfb47e70b8",
         {
-            "config.json": "70cbea9fda6a53cf21a7baf09b4b600df39e506bd6d6b2940c194f440de369eb",
+            "config.json": "a1b70a4c2b52868104aa8b80b444a80cecf0baa17426d85a79c4f63dfbd7521e",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6481a8474360de3ee5ace55228668263b001250f5414866665a7f9aa76bf4575",
         },
-        "09843e5a32bb952b7575b4819a5cde0e9b015a056e0dd41925415672c1ec6fca",
+        "d5c35bf15292b5dd777bb21fad46b0df0c21622bc999d40b4a6fa4dca04ef5ee",
     ),
     "bf16-cpu": (
-        "ka-31fba428a73ada09b0f5736cc0cfa66e",
+        "ka-cf13b7df242e17f0ce87b0e6160629e5",
         {
-            "config.json": "2474acdf26197972e3954b9791e64380ac92ecab2f1f877f715c40f0ef015301",
+            "config.json": "1fab248ec1d1b466dd1d949cf52aed03d20cf4d8aab90b785cc03ca0d4be3ba2",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "9e3b5048597852ffda0daaf77c7aa175f3c15aa9a2a042696a9825a6f04643c5",
+        "b7bddbef336678dac4273a3ced9f302da0b6e095043a3320bcfe06a220781b3a",
     ),
     "bf16-online-fp8-block-sm90": (
-        "ka-fe6d5c5775fb5dc5ce7c35df5b4125a4",
+        "ka-688bb92963cc77683ec180159a0a5536",
         {
-            "config.json": "2474acdf26197972e3954b9791e64380ac92ecab2f1f877f715c40f0ef015301",
+            "config.json": "88e32f55056238ee385ad262c6a83a03b1ae883e8b45a40683c5e5419119b0a2",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "6f69fd983f9a338ed8514107eb4ae278e52f9925784a72e2b42bfe0563cb125b",
+        "21eaf5bc2dcdcceaf6dbdc1c47e4cef46326eaaf7cbba49d13655f0c3c2aa0e6",
     ),
     "bf16-online-fp8-channel-cpu-tp2": (
-        "ka-c82c7acfa0da3864f0036900bff99e57",
+        "ka-c465615c11b05c2584d506abb3769ece",
         {
-            "config.json": "2474acdf26197972e3954b9791e64380ac92ecab2f1f877f715c40f0ef015301",
+            "config.json": "4e90523f1819ca09cbb0bd1c2841d6d85387e8239b520b620c79fe1d3fb804d3",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "de3a65f80a45f52cd4040ec78f8b2a2e010c7d37701d6af333bf166d3234e23f",
+        "b74a3d5b4d9aedbdc43647fca956507633cb6c1ebf5d0e33f73bd20d7b316204",
     ),
     "ct-fp8-channel-sm90": (
-        "ka-35dac7197f2f65c6cc04d9800d38ec6d",
+        "ka-977641b5c6484e4f118257781f6b0f43",
         {
-            "config.json": "a548608d417c302fa6f73908bd53e1afbec0d5b13107f34116f77df11de68326",
+            "config.json": "dbd9793584dfd070af52adb72a1382d7d0a3ef659897e29d5ac5ba52c204a89c",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ae4d4f0f866d28f8d2feb7e68131c1ff61333a6e0288960c12649495f6c44cb7",
         },
-        "328c7d46ab59eac7ebb79c9760a4275a4a43fa35ec6bfe361ad09d54cd2e17d7",
+        "7cb296f3b329c0a203e85a4e10a69fa344efe1357e4300bb8a3a505a1647bc35",
     ),
     "ct-int8-cpu": (
-        "ka-babd3124e8c4ac99fa631d437cd1577b",
+        "ka-892c8730c42848d5be1cb62615e7d2cf",
         {
-            "config.json": "62884e1ef1749135141fa0abebd3f988166915e6553b6b0c974d5bef0fdef379",
+            "config.json": "f6fb66f05b98d9a865b1951e6f3fa3253e162c190c2ca65041903b111b0ba30e",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6f0fe3c35dd2a4561e509f9b9c6b4ce79d22e21c1b7219aae7da4a340ca16501",
         },
-        "8d0330316679b950cdc454fc83c49ac49eba13531040b33fb521e44850e1e9c6",
+        "c68cc390c1e05b292d311f0f413bff3339be30500e1bf576b82ad0ea0c4c1e45",
     ),
     "ct-w8a16-sm90": (
-        "ka-9ac5bf64944494233d710f08f4b08292",
+        "ka-45af177d9859d6543090386a710ee3d2",
         {
-            "config.json": "df30a7701861bfb49596b1b22d9dba5e5d10bc20ae37e4f68a9aaa3687e9ea4b",
+            "config.json": "02a2c4eeba7d824df4bd5ca8a7efc894987faf0817c7c693138700932ff9ae15",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "c1c34b84965ec46ae617135477557988d1306ae9fab0a875eeab316ce3763e47",
         },
-        "e5edd717c38f4f625c2e4f4ec1a0b6478bdc756ce360ec2fd3c9d36ed5c1175c",
+        "5ec8b99249d5559876dffc66ee1943d7647a0f1a81596893ef90147dda38653b",
     ),
     "fp8-block-sm89": (
-        "ka-1f03b4610a197951626db55b83825a96",
+        "ka-01f6a58482df1c3488687267d19921c3",
         {
-            "config.json": "28bc8f7d504890ade2ab9de1a3e0f1af700c26e7b0ca73caefe444b496a39218",
+            "config.json": "6b109a330ce253d8010cb74b9507eb1b124c1ad20d0b46a9d3dffb260c26bb20",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "fc6d82390f9d39562ed8cff2e6172006f48080f1b9ea55dfbc55be671e9277dc",
+        "68d398ff19ea9952995b53414e32c5edce4464f58e23e6e08e899b35c1ed06d8",
     ),
     "fp8-tensor-cpu": (
-        "ka-cf6bc2915d96bdbcbb8b11193e0aa2f3",
+        "ka-b3e9e1e303c1f0a9501905f5b6204959",
         {
-            "config.json": "10e7438fb4fe2c4e070bb62892b9c4f33d65fa1a0554d1ad46236e3311bf7f60",
+            "config.json": "5f9844e224b12e4e3fc0369f24b09e4524e5c4c48e0be77609c3f124732d452a",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "9e1b8cf39e39b454b3e01f38b94497dcaa7659e10ed2830eeafcb4db687c00fd",
+        "34280cb396c0f220deba86a9075a34bebfb60563044bcf607c5b667e65b10978",
     ),
     "fp8-tensor-sm80": (
-        "ka-e561b5f87b4a3964aabe0b728e513f32",
+        "ka-5b4ab84727511955b97b6ebdb7e43ace",
         {
-            "config.json": "10e7438fb4fe2c4e070bb62892b9c4f33d65fa1a0554d1ad46236e3311bf7f60",
+            "config.json": "181d3bb1f9fd64258a76f2f2253f6b3a2fae5e131ad578db5091229a8cec574a",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ef331ab737201ee823a3916d9ec31cac4a8c35b73407ee78149a702b23eeb79f",
         },
-        "ce8f0b5b026087aeeb973d28a83f2f575f42fffac107b97a7d1455a235ba8993",
+        "aa3012589b0390efaf76ecc92131b9ae4200ed574328e1f465e0c533a459fd7e",
     ),
     "gptq-actorder-sm80": (
-        "ka-e21dc81747e695d2a70161e106ca4973",
+        "ka-7594563bb9504ece340365b974e4d1fc",
         {
-            "config.json": "5c349bb7580da9401f7d14c1c08110afaa1f031cd37fee84058420d3b42a1496",
+            "config.json": "490bedbef5a4a4e1617961bdbaaa9439ad5175ff6dca007acae13fbe3bd7ebba",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "97efe509531b44176bb120c250e281dc33564f906c79f73f77636e9ef374cc75",
         },
-        "38cdf7308fb2bb8f0b9b6e675951e8474e45582c5cbc6369749c567744922ed2",
+        "d73c54c6397de2da5f6c4e34330c644e78c8d6a46575ae8c9fb51a6bb26b757b",
     ),
     "gptq-asym-sm75": (
-        "ka-f913c5e1ab2bcdde8e6680644b4a38e2",
+        "ka-e7b0f7d16cbfcc22dfec9272ed9106fd",
         {
-            "config.json": "46d5d07e924a4c0bf4f0f87fbf025c64d0d800715fa334d720557a75f1cf0bda",
+            "config.json": "e068afc7f74d09e9f29d30987c11605aa425bc25c4f5a6a9d8db374ac15e1947",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "0fc2208fc2692348a4b76ab08a441e9563cedde0d78c241164735bbaecb6440b",
         },
-        "c3505f41ca228737298ae32fefb016f9d2eb949f124e3afcbf113051c08d6712",
+        "9004c051dbf258c6277ee94f505a17fe8a7d27835f57de3a65a41cb6768efee4",
     ),
     "gptq-asym-sm80-tp2": (
-        "ka-f905036883f7bb84f9bc340493624590",
+        "ka-0d5f457c1fddbe0b810327b6ce884409",
         {
-            "config.json": "83fa8b7f4951f46f2898cd394be47b88b243f3e15216aab4d1d90bdcf7ffd728",
+            "config.json": "016190fce39822f23671bd736c70bd71230f5fa1b90307743b13ee308ced7d7d",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "67d852d990fc557d5fb0121315ad6c38f5d9cc8caff0323513ac9e23a0ae7730",
             "rank1.safetensors": "1e87616a71da745e4da9a90701d652a3b386f8f50102ddfb1cf7c433668b522e",
         },
-        "a020a10abe3606aa387ed6ce4d63a74bb6821b80b2446da2db87ac010808da0c",
+        "52e0171e3394b4e645aa0df9b41ef90299fc91544cc1db5ffb7fd6c7e555c347",
     ),
 }
 

@@ -1,0 +1,100 @@
+"""A Kiln artifact opened for one vLLM rank: every refusal a user can act on happens here, before
+any weight is read (mapping a file reads nothing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels.errors import KilnError
+from runtime.artifact.manifest import Manifest
+from runtime.artifact.pull import verify_local
+from runtime.loader import (
+    CheckedLinear,
+    MappedFile,
+    check_target,
+    check_tp,
+    checked_linear_layers,
+    map_rank_files,
+)
+from runtime.model_layout import ModelConfig
+
+# The architectures whose vLLM model names its modules and parameters as Kiln's manifest does
+# (fused qkv_proj / gate_up_proj, Hugging Face names for norms and embeddings).
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+class PluginError(KilnError):
+    """A Kiln artifact cannot be served by this vLLM as asked; the message says what to do."""
+
+
+@dataclass
+class VllmArtifact:
+    path: Path
+    manifest: Manifest
+    config: ModelConfig
+    device: str  # "cpu" or "cuda"
+    rank: int
+    world_size: int
+    files: list[MappedFile] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's, views of the mapping
+    linears: dict[str, CheckedLinear] = field(default_factory=dict)
+
+    def linear(self, prefix: str) -> CheckedLinear:
+        layer = self.linears.get(prefix)
+        if layer is None:
+            raise PluginError(
+                f"vLLM's {self.manifest.architecture} has a linear layer {prefix!r} that the artifact "
+                f"does not have (the artifact's layers look like {next(iter(self.linears), 'none')!r})"
+            )
+        return layer
+
+    def embedding_dtype(self, prefix: str) -> torch.dtype:
+        """The stored dtype of an embedding-shaped tensor: vLLM builds some embeddings without a
+        prefix (Llama's embed_tokens) and ties lm_head to them, so all but a separately stored
+        lm_head take the token embedding's."""
+        name = f"{prefix}.weight" if f"{prefix}.weight" in self.tensors else EMBEDDING
+        t = self.tensors.get(name)
+        if t is None:
+            raise PluginError(f"tensor {name} is missing from rank {self.rank}'s files of {self.path}")
+        return t.dtype
+
+    def address_ranges(self) -> list[tuple[int, int]]:
+        return [f.address_range for f in self.files]
+
+
+def refuse_unservable(manifest: Manifest) -> None:
+    """What the plugin cannot map, named with what to do instead."""
+    if manifest.expert_groups:
+        raise PluginError(
+            f"{len(manifest.expert_groups)} mixture-of-experts layer(s): Kiln's vLLM plugin does not map "
+            "expert groups yet; serve this artifact with `kiln serve`"
+        )
+    if manifest.architecture not in ARCHITECTURES:
+        raise PluginError(
+            f"architecture {manifest.architecture} is not mapped by Kiln's vLLM plugin (it maps "
+            f"{', '.join(sorted(ARCHITECTURES))}); serve the artifact with `kiln serve`"
+        )
+    if "lm_head" in manifest.layers and manifest.layers["lm_head"].kernel != "dense":
+        raise PluginError(
+            f"lm_head is stored for kernel {manifest.layers['lm_head'].kernel}; vLLM's lm_head takes only "
+            "an unquantized weight: convert with an unquantized lm_head"
+        )
+
+
+def open_artifact(path: str | Path, *, device: str, rank: int, world_size: int, verify: bool) -> VllmArtifact:
+    """Check the artifact against this host and rank, then map its rank files (no reads)."""
+    path = Path(path)
+    manifest = verify_local(path, rank) if verify else Manifest.load(path)
+    check_target(manifest.target, device)
+    check_tp(manifest, rank, world_size, flag="--tensor-parallel-size")
+    refuse_unservable(manifest)
+    cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
+    files = map_rank_files(path, manifest, rank)
+    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+    linears = {layer.name: layer for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size)}
+    return VllmArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears)

@@ -1,0 +1,165 @@
+"""The `kiln` quantization config: vLLM's model gets Kiln's per-layer methods, whose parameters are
+the artifact's tensors in their final layout. Nothing here transforms a tensor: creating a layer
+registers placeholders with the artifact's shapes and dtypes, the loader binds the mapped tensors to
+them, and `process_weights_after_loading` has nothing to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+from runtime.artifact.hf_config import KILN_QUANT_METHOD, is_kiln_quant_config
+from runtime.vllm_plugin.artifact import PluginError, VllmArtifact
+
+LOAD_FORMAT_HINT = f"Kiln artifacts load with --load-format {KILN_QUANT_METHOD}"
+
+
+def _refuse_weight_loader(name: str) -> Callable[..., None]:
+    def weight_loader(*_args: Any, **_kwargs: Any) -> None:
+        raise PluginError(f"{name}: {LOAD_FORMAT_HINT} (another loader tried to write into it)")
+
+    return weight_loader
+
+
+def _placeholder(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, where: str) -> None:
+    """A meta parameter with the artifact tensor's shape and dtype (no memory): the loader binds it."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    param.weight_loader = _refuse_weight_loader(f"{where}.{name}")  # type: ignore[attr-defined]
+    layer.register_parameter(name, param)
+
+
+class KilnQuantConfig(QuantizationConfig):
+    """Resolved from an artifact's config.json (`quant_method: kiln`), or `--quantization kiln`."""
+
+    def __init__(self, hf_quant_config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.hf_quant_config = dict(hf_quant_config or {})
+        self.artifact: VllmArtifact | None = None  # set by the kiln model loader before the model is built
+        self.processed_layers = 0  # process_weights_after_loading calls (each a no-op)
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return KILN_QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 75  # Kiln's oldest GPU target; the loader checks the artifact's own target
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> KilnQuantConfig:
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        if is_kiln_quant_config(hf_quant_cfg) or user_quant == KILN_QUANT_METHOD:
+            return KILN_QUANT_METHOD
+        return None
+
+    def bound_artifact(self, prefix: str) -> VllmArtifact:
+        if self.artifact is None:
+            raise PluginError(f"layer {prefix}: {LOAD_FORMAT_HINT}")
+        return self.artifact
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            return KilnLinearMethod(self, self.bound_artifact(prefix), prefix)
+        if isinstance(layer, VocabParallelEmbedding):
+            return KilnEmbeddingMethod(self, self.bound_artifact(prefix), prefix)
+        if isinstance(layer, RoutedExperts):
+            raise PluginError(
+                f"layer {prefix}: Kiln's vLLM plugin does not map mixture-of-experts layers yet; "
+                "serve this artifact with `kiln serve`"
+            )
+        return None
+
+
+class KilnLinearMethod(LinearMethodBase):
+    """One linear layer (fused q|k|v and gate|up as vLLM fuses them) run by its Kiln kernel."""
+
+    def __init__(self, config: KilnQuantConfig, artifact: VllmArtifact, prefix: str) -> None:
+        self.config = config
+        self.layer = artifact.linear(prefix)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        spec = self.layer.spec
+        shards = [s.size for s in spec.shards] or [spec.n]
+        if list(output_partition_sizes) != shards or input_size_per_partition != spec.k:
+            raise PluginError(
+                f"layer {spec.name}: vLLM's model gives it outputs {list(output_partition_sizes)} and "
+                f"{input_size_per_partition} inputs on this rank; the artifact has {shards} and {spec.k} "
+                "(a different model config or TP size than the artifact was converted for)"
+            )
+        if getattr(layer, "skip_bias_add", False) and spec.has_bias:
+            raise PluginError(f"layer {spec.name}: a bias added outside the layer is not supported")
+        for suffix, t in self.layer.tensors.items():
+            if suffix != "bias":  # vLLM's layer registers its own bias; the loader binds it
+                _placeholder(layer, suffix, tuple(t.shape), t.dtype, spec.name)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.config.processed_layers += 1  # the artifact is already in the kernel's layout
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # The kernel applies the layer's bias itself (not on row-parallel ranks > 0, as vLLM does).
+        return layer.kiln_forward(x)
+
+
+class KilnEmbeddingMethod(QuantizeMethodBase):
+    """Token embeddings and an unquantized lm_head: the artifact's tensor as stored."""
+
+    def __init__(self, config: KilnQuantConfig, artifact: VllmArtifact, prefix: str) -> None:
+        self.config = config
+        self.prefix = prefix
+        self.dtype = artifact.embedding_dtype(prefix)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        rows = sum(output_partition_sizes)
+        _placeholder(layer, "weight", (rows, input_size_per_partition), self.dtype, self.prefix)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.config.processed_layers += 1
+
+    def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_, layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = layer.weight
+        return F.linear(x.to(weight.dtype), weight, bias)
+
+    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
+        layer.weight = embed_tokens.weight
+        return layer

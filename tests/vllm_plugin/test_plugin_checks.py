@@ -1,0 +1,77 @@
+"""What the plugin refuses, before any weight is read, and the config.json mark that makes vLLM pick
+Kiln's quantization config. These run without vLLM: the checks live in vLLM-free modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime.artifact.hf_config import KILN_QUANT_METHOD
+from runtime.artifact.manifest import Manifest
+from runtime.loader import LoadError, TargetMismatchError
+from runtime.vllm_plugin.artifact import PluginError, open_artifact
+from runtime.vllm_plugin.compat import ALLOW_UNTESTED_ENV, UnsupportedVllmError, check_vllm_version
+from services.convert.library import ConversionRequest, convert
+from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
+
+
+def _convert(tmp_path: Path, fmt: str, target: str, tp: int = 1, **kw: object) -> Path:
+    src = write_checkpoint(tmp_path / f"src-{fmt}", fmt, **kw)  # type: ignore[arg-type]
+    return Path(convert(ConversionRequest(str(src), [target], tp=tp, out=str(tmp_path / "out")))[0].uri)
+
+
+def test_config_json_names_kilns_quantization_and_the_manifest_keeps_the_source(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "gptq", "cpu")
+    config = json.loads((artifact / "config.json").read_text())
+    manifest = Manifest.load(artifact)
+    assert config["quantization_config"] == {
+        "quant_method": KILN_QUANT_METHOD,
+        "artifact_id": manifest.artifact_id,
+        "target": "cpu",
+        "source_format": "gptq",
+    }
+    assert manifest.hf_config["quantization_config"]["quant_method"] == "gptq"
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == {
+        k: v for k, v in manifest.hf_config.items() if k != "quantization_config"
+    }
+
+
+def test_a_gpu_artifact_is_refused_on_cpu_naming_the_target_to_convert_for(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "gptq", "sm80")
+    with pytest.raises(TargetMismatchError, match="convert with --target cpu"):
+        open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+
+
+def test_a_tp_mismatch_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "dense", "cpu", tp=2)
+    with pytest.raises(LoadError, match=r"--tensor-parallel-size 2 or convert with --tp 1"):
+        open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+
+
+def test_a_moe_artifact_is_refused_before_mapping(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "dense", "cpu", dims=QWEN3_MOE_TINY)
+    with pytest.raises(PluginError, match=r"mixture-of-experts layer.*kiln serve"):
+        open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+
+
+def test_open_maps_the_rank_files_and_checks_every_layer(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "gptq", "cpu")
+    opened = open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=True)
+    assert set(opened.linears) == set(opened.manifest.layers)
+    lo, hi = opened.address_ranges()[0]
+    assert all(lo <= t.data_ptr() < hi for t in opened.tensors.values())
+    with pytest.raises(PluginError, match="does not have"):
+        opened.linear("model.layers.0.mlp.not_a_layer")
+
+
+def test_vllm_versions_outside_the_tested_range_are_refused_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3")
+    with pytest.raises(UnsupportedVllmError, match=r"tested with vLLM 0\.32\.x; this is vLLM 0\.31\.1"):
+        check_vllm_version("0.31.1")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    check_vllm_version("0.33.0")
