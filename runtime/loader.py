@@ -271,6 +271,7 @@ def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str = "--t
     if not 0 <= rank < world_size:
         raise LoadError(f"rank {rank} out of range for world_size {world_size}")
 
+
 def map_rank_files(artifact_dir: Path, manifest: Manifest, rank: int) -> list[MappedFile]:
     """Map rank `rank`'s files (and only those), after checking that the shared files (config,
     tokenizer, read later) do not lead out of the artifact and that each rank file has its size."""

@@ -179,12 +179,17 @@ def test_worker_celery_app_is_a_leaf() -> None:
 PLUGIN = "runtime.vllm_plugin"
 
 
+def _is_vllm_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name.split(".")[0] == "vllm" for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return not node.level and (node.module or "").split(".")[0] == "vllm"
+    return False
+
+
 def _imports_vllm(path: Path) -> list[int]:
-    lines = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names)) or (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm"):
-            lines.append(node.lineno)
-    return lines
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [node.lineno for node in ast.walk(tree) if _is_vllm_import(node)]  # type: ignore[attr-defined]
 
 
 def test_vllm_is_imported_only_by_the_plugin_and_the_plugin_by_nothing_else() -> None:
