@@ -11,7 +11,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
 
-.PHONY: install vllm-venv demo test lint bench-repack bench-convert bench-runtime bench-api bench-moe gpu-check clean
+.PHONY: install vllm-venv demo test lint bench-repack bench-convert bench-runtime bench-api bench-moe bench-vllm gpu-check clean
 
 install: $(STAMP)
 
@@ -69,6 +69,9 @@ bench-api: install
 
 bench-moe: install vllm-venv
 	$(PY) bench/moe.py --vllm-python $(VLLM_PY)
+
+bench-vllm: install vllm-venv
+	$(PY) bench/vllm_load.py --vllm-python $(VLLM_PY)
 
 gpu-check:
 	bash bench/gpu_check.sh

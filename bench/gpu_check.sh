@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a CUDA machine (target < 8 min; each part has a timeout): the Triton kernels compiled for this
+# One prepared GPU check for a CUDA machine (target < 12 min; each part has a timeout): the Triton kernels compiled for this
 # GPU, checked against their torch twins (pytest -m gpu), then timed against cuBLAS bf16
-# (bench/gpu_check.py: table on stdout, JSON in bench/results/gpu_check.json).
+# (bench/gpu_check.py: table on stdout, JSON in bench/results/gpu_check.json), then the vLLM path when
+# a CUDA vLLM 0.32 is importable ($VLLM_PYTHON, default: $PY): vLLM on a synthetic ≥ 1 GB 4096-wide
+# GPTQ checkpoint vs `--load-format kiln` on its artifact for this GPU (bench/vllm_load.py: load
+# time, startup, peak RSS, batch-1 tok/s, identical greedy tokens; bench/results/vllm_load.json).
 # Needs: python3 with a CUDA build of torch and triton 3.x already installed (nothing else is
 # installed here beyond `pip install -e .` of this repo when `kiln` is not importable).
 # Usage: bash bench/gpu_check.sh            (PYTHON=/path/to/python to pick an interpreter)
@@ -38,5 +41,15 @@ timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gpu
 
 echo "== timing vs torch bf16 (cuBLAS)"
 timeout 330 "$PY" bench/gpu_check.py || status=1
+
+VPY="${VLLM_PYTHON:-$PY}"
+if "$VPY" -c 'import vllm' 2>/dev/null; then
+  "$VPY" -c 'import runtime.vllm_plugin' 2>/dev/null || "$VPY" -m pip install -q --no-deps -e .
+  echo "== vLLM: GPTQ checkpoint vs its Kiln artifact (--load-format kiln), eager"
+  timeout 300 "$PY" bench/vllm_load.py --vllm-python "$(command -v "$VPY")" --target auto --modes eager \
+    --skip-smollm2 --big-gb 1.0 || status=1
+else
+  echo "== vLLM not importable by $VPY: vLLM path skipped (set VLLM_PYTHON)"
+fi
 
 exit $status

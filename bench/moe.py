@@ -189,7 +189,7 @@ def run_child(python: str, args: list[str], timeout: int = 3600) -> dict[str, An
 
 def source_checkpoints(layers: int, experts: int) -> dict[str, Path]:
     """{"gptq": ..., "bf16": ...}: the synthetic Qwen3-MoE checkpoints, written once per shape."""
-    from tests.helpers.synthetic import TINY, Dims, write_checkpoint, write_dense_checkpoint
+    from tests.helpers.synthetic import TINY, Dims, write_checkpoint, write_large_checkpoint
 
     dims = Dims(
         architecture="Qwen3MoeForCausalLM", hidden=2048, heads=16, kv_heads=4, head_dim=128, vocab=2048,
@@ -204,7 +204,7 @@ def source_checkpoints(layers: int, experts: int) -> dict[str, Path]:
             if kind == "gptq":
                 write_checkpoint(tmp, "gptq", dims=dims, group_size=GROUP, sharded=True)
             else:
-                write_dense_checkpoint(tmp, dims)
+                write_large_checkpoint(tmp, dims)
             tmp.rename(path)
         out[kind] = path
     return out

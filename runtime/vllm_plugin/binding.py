@@ -8,6 +8,7 @@ repacked there, and the load report lists it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ class Binding:
 
     parameters: int = 0
     copied: list[str] = field(default_factory=list)  # padded embeddings, dtype casts, repacks
+    runs_on: Counter[str] = field(default_factory=Counter)  # "vllm:<kernel>" | "kiln:<kernel>" -> layers
     # id(placeholder) -> (placeholder, bound): the placeholder is kept so that its id stays unique
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)
 
@@ -61,7 +63,14 @@ class _Binder:
         if spec.row_parallel and self.artifact.rank != 0:
             run_on.pop("bias", None)  # the all-reduce adds a row-parallel bias once: rank 0 applies it
         before = {suffix: t.data_ptr() for suffix, t in run_on.items()}
-        run = kernel.bind_apply(run_on, spec)
+        run = None
+        if self.artifact.device != "cpu":
+            from runtime.vllm_plugin.vllm_kernels import vllm_apply
+
+            run = vllm_apply(kernel.name, run_on, spec)
+        self.binding.runs_on[f"vllm:{kernel.name}" if run is not None else f"kiln:{kernel.name}"] += 1
+        if run is None:
+            run = kernel.bind_apply(run_on, spec)
         for suffix, t in tensors.items():
             bound = run_on.get(suffix, t)
             if bound.data_ptr() != before.get(suffix, bound.data_ptr()):

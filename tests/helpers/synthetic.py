@@ -6,7 +6,7 @@ weights. Everything is seeded, so the same call writes the same bytes (artifact 
 
     write_checkpoint(path, "gptq", bits=4, group_size=128, sym=True, act_order=False, v2=False)
     write_checkpoint(path, "awq" | "ct-pack" | "ct-fp8" | "ct-int8" | "fp8" | "dense", ...)
-    write_dense_checkpoint(path, dims=LARGE, ...)   # big bf16 checkpoints, written layer by layer
+    write_large_checkpoint(path, dims, fmt="dense" | "ct-pack" | ...)  # big checkpoints, layer by layer
 
 Mixture-of-experts and Qwen3 checkpoints come from the same writer through `Dims`' architecture and
 MoE fields (presets QWEN3_TINY, QWEN3_MOE_TINY, MIXTRAL_TINY, QWEN2_MOE_TINY): every expert is a
@@ -585,15 +585,28 @@ def _save(path: Path, files: list[dict[str, torch.Tensor]]) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_dense_checkpoint(path: Path, dims: Dims, *, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """A large unquantized checkpoint written one decoder layer per file (bounded memory); any
-    architecture without biases (Llama, Qwen3, Qwen3-MoE, Mixtral)."""
+def write_large_checkpoint(
+    path: Path,
+    dims: Dims,
+    *,
+    fmt: str = "dense",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    group_size: int = 128,
+) -> Path:
+    """A large checkpoint written one decoder layer per file (bounded memory; no ground truth kept);
+    any architecture without biases (Llama, Qwen3, Qwen3-MoE, Mixtral). `fmt` other than "dense"
+    quantizes every decoder linear (4-bit, symmetric, `group_size`) as `write_checkpoint` does."""
     if dims.arch.qkv_bias or dims.shared_expert_intermediate:
-        raise ValueError("write_dense_checkpoint writes no biases or shared experts; use write_checkpoint")
+        raise ValueError("write_large_checkpoint writes no biases or shared experts; use write_checkpoint")
+    opts = {"bits": 4, "group_size": group_size, "sym": True, "act_order": False, "v2": False,
+            "mislabel": False, "fp8_strategy": "tensor", "block": (128, 128), "dtype": dtype, "ignore": [],
+            "dynamic": None, "static_act": False}  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     dt = _dtype(dtype)
     n_files = dims.layers + 1
+    always_dense = [m for i in range(dims.layers) for m in dims.dense_shapes(i)]
     weight_map: dict[str, str] = {}
     total = 0
 
@@ -609,7 +622,13 @@ def write_dense_checkpoint(path: Path, dims: Dims, *, dtype: str = "bfloat16", s
             if not dims.tie_word_embeddings:
                 tensors["lm_head.weight"] = rand(dims.vocab, dims.hidden)
         else:
-            for module, (n, k) in {**dims.module_shapes(i), **dims.dense_shapes(i)}.items():
+            for module, (n, k) in dims.module_shapes(i).items():
+                if fmt == "dense":
+                    tensors[f"{module}.weight"] = rand(n, k)
+                else:
+                    for suffix, t in _encode(fmt, module, n, k, opts, gen, {}, {}).items():
+                        tensors[f"{module}.{suffix}"] = t
+            for module, (n, k) in dims.dense_shapes(i).items():
                 tensors[f"{module}.weight"] = rand(n, k)
             for ln in ("input_layernorm", "post_attention_layernorm"):
                 tensors[f"model.layers.{i}.{ln}.weight"] = torch.ones(dims.hidden, dtype=dt)
@@ -622,7 +641,8 @@ def write_dense_checkpoint(path: Path, dims: Dims, *, dtype: str = "bfloat16", s
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (path / "config.json").write_text(json.dumps(model_config(dims, dtype), indent=2))
+    config = model_config(dims, dtype, _quant_config(fmt, {**opts, "ignore": list(always_dense)}))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
