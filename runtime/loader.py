@@ -327,27 +327,31 @@ def checked_linear_layers(
     return out
 
 
-def bind_expert_groups(
-    model: LlamaForCausalLM,
-    manifest: Manifest,
-    cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
-    used: set[str],
-    rank: int,
-    world_size: int,
-    to_device: Callable[[torch.Tensor], torch.Tensor],
-) -> None:
-    """Bind every MoE layer's expert group, after checking it against the model config (this rank's
-    experts and slice) and its kernel's declared stacked tensors."""
-    modules = model.expert_groups()
+@dataclass(frozen=True)
+class CheckedExpertGroup:
+    """An MoE layer's expert group on this rank: its kernel, this rank's spec and stacked tensors
+    (views of the mapping), checked against the model config and the kernel's declared tensors."""
+
+    name: str
+    kernel: MoEKernel
+    spec: MoESpec
+    tensors: dict[str, torch.Tensor]
+
+
+def checked_expert_groups(
+    manifest: Manifest, cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int, world_size: int
+) -> list[CheckedExpertGroup]:
+    """Every expert group of the manifest, each checked (this rank's experts and slice, the stacked
+    tensors its kernel declares); the manifest and the model config must name the same groups."""
     layouts = {g.name: g for g in expert_groups(cfg)}
-    absent = sorted(set(modules) - set(manifest.expert_groups))
-    extra = sorted(set(manifest.expert_groups) - set(modules))
+    absent = sorted(set(layouts) - set(manifest.expert_groups))
+    extra = sorted(set(manifest.expert_groups) - set(layouts))
     if absent or extra:
         raise LoadError(
             f"expert groups: the model has {absent[:3] or 'none'} without a manifest entry and the manifest "
             f"has {extra[:3] or 'none'} without a place in {cfg.architecture}; {ARTIFACT_FIX}"
         )
+    out = []
     for name, entry in manifest.expert_groups.items():
         kernel = get_moe_kernel(entry.kernel)
         spec = rank_moe_spec(entry.moe_spec(), layouts[name], rank, world_size, manifest.expert_parallel)
@@ -365,8 +369,27 @@ def bind_expert_groups(
             check_stored(entry.kernel, spec.w13, declared, mine)
         except LayoutError as e:
             raise LoadError(f"expert group {name}: {e}; {ARTIFACT_FIX}") from e
-        used.update(f"{name}.{suffix}" for suffix in mine)
-        modules[name].bind(kernel, spec, {suffix: to_device(t) for suffix, t in mine.items()})
+        out.append(CheckedExpertGroup(name, kernel, spec, mine))
+    return out
+
+
+def bind_expert_groups(
+    model: LlamaForCausalLM,
+    manifest: Manifest,
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    used: set[str],
+    rank: int,
+    world_size: int,
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Bind every MoE layer's expert group after `checked_expert_groups`."""
+    modules = model.expert_groups()
+    for group in checked_expert_groups(manifest, cfg, tensors, rank, world_size):
+        used.update(f"{group.name}.{suffix}" for suffix in group.tensors)
+        modules[group.name].bind(
+            group.kernel, group.spec, {suffix: to_device(t) for suffix, t in group.tensors.items()}
+        )
 
 
 def rank_moe_spec(

@@ -12,19 +12,20 @@ from kernels.errors import KilnError
 from runtime.artifact.manifest import Manifest
 from runtime.artifact.pull import verify_local
 from runtime.loader import (
+    CheckedExpertGroup,
     CheckedLinear,
     MappedFile,
     check_target,
     check_tp,
+    checked_expert_groups,
     checked_linear_layers,
     map_rank_files,
 )
 from runtime.model_layout import ModelConfig
 
-# The architectures whose vLLM model names its modules and parameters as Kiln's manifest does
-# (fused qkv_proj / gate_up_proj, Hugging Face names for norms and embeddings).
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-
+# Every architecture of runtime/model_layout.py: vLLM's models name their modules and parameters as
+# Kiln's manifest does (fused qkv_proj / gate_up_proj, Hugging Face names for norms and embeddings,
+# expert groups at `…mlp.experts` / `…block_sparse_moe.experts`, the router as a linear `…gate`).
 EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -43,6 +44,7 @@ class VllmArtifact:
     files: list[MappedFile] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's, views of the mapping
     linears: dict[str, CheckedLinear] = field(default_factory=dict)
+    expert_groups: dict[str, CheckedExpertGroup] = field(default_factory=dict)
 
     def linear(self, prefix: str) -> CheckedLinear:
         layer = self.linears.get(prefix)
@@ -52,6 +54,15 @@ class VllmArtifact:
                 f"does not have (the artifact's layers look like {next(iter(self.linears), 'none')!r})"
             )
         return layer
+
+    def expert_group(self, prefix: str) -> CheckedExpertGroup:
+        group = self.expert_groups.get(prefix)
+        if group is None:
+            raise PluginError(
+                f"vLLM's {self.manifest.architecture} has a mixture-of-experts layer {prefix!r} that the "
+                f"artifact does not have (its expert groups: {sorted(self.expert_groups)[:3] or 'none'})"
+            )
+        return group
 
     def embedding_dtype(self, prefix: str) -> torch.dtype:
         """The stored dtype of an embedding-shaped tensor: vLLM builds some embeddings without a
@@ -69,20 +80,10 @@ class VllmArtifact:
 
 def refuse_unservable(manifest: Manifest) -> None:
     """What the plugin cannot map, named with what to do instead."""
-    if manifest.expert_groups:
-        raise PluginError(
-            f"{len(manifest.expert_groups)} mixture-of-experts layer(s): Kiln's vLLM plugin does not map "
-            "expert groups yet; serve this artifact with `kiln serve`"
-        )
-    if manifest.architecture not in ARCHITECTURES:
-        raise PluginError(
-            f"architecture {manifest.architecture} is not mapped by Kiln's vLLM plugin (it maps "
-            f"{', '.join(sorted(ARCHITECTURES))}); serve the artifact with `kiln serve`"
-        )
     if "lm_head" in manifest.layers and manifest.layers["lm_head"].kernel != "dense":
         raise PluginError(
             f"lm_head is stored for kernel {manifest.layers['lm_head'].kernel}; vLLM's lm_head takes only "
-            "an unquantized weight: convert with an unquantized lm_head"
+            "an unquantized weight: serve this artifact with `kiln serve`"
         )
 
 
@@ -97,4 +98,5 @@ def open_artifact(path: str | Path, *, device: str, rank: int, world_size: int, 
     files = map_rank_files(path, manifest, rank)
     tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
     linears = {layer.name: layer for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size)}
-    return VllmArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears)
+    groups = {group.name: group for group in checked_expert_groups(manifest, cfg, tensors, rank, world_size)}
+    return VllmArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears, groups)

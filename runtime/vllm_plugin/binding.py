@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from runtime.loader import CheckedLinear, check_dense_tensor
+from runtime.loader import CheckedExpertGroup, CheckedLinear, check_dense_tensor
 from runtime.vllm_plugin.artifact import PluginError, VllmArtifact
-from runtime.vllm_plugin.quant_config import KilnEmbeddingMethod, KilnLinearMethod
+from runtime.vllm_plugin.quant_config import (
+    KilnEmbeddingMethod,
+    KilnLinearMethod,
+    KilnMoEMethod,
+    KilnQuantConfig,
+    expert_param_name,
+)
 
 
 @dataclass
@@ -39,6 +47,7 @@ class _Binder:
         self.artifact = artifact
         self.binding = Binding()
         self.used: set[str] = set()
+        self.bound_groups: set[str] = set()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.artifact.device == "cpu" else t.to(self.artifact.device)
@@ -86,6 +95,15 @@ class _Binder:
             return y if y.dtype == x.dtype else y.to(x.dtype)
 
         module.kiln_forward = forward
+
+    def experts(self, module: nn.Module, group: CheckedExpertGroup) -> None:
+        tensors = {suffix: self.to_device(t) for suffix, t in group.tensors.items()}
+        module.kiln_forward = group.kernel.bind_apply(tensors, group.spec)
+        self.binding.runs_on[f"kiln:{group.kernel.name}"] += 1
+        self.bound_groups.add(group.name)
+        for suffix, t in tensors.items():
+            self.set(module, expert_param_name(suffix), t)
+            self.used.add(f"{group.name}.{suffix}")
 
     def embedding(self, module: nn.Module, prefix: str) -> None:
         name = f"{prefix}.weight"
@@ -138,22 +156,36 @@ class _Binder:
                     module._parameters[attr] = self.binding.replaced[id(param)][1]
 
 
-def bind_model(model: nn.Module, artifact: VllmArtifact) -> Binding:
+def bind_model(model: nn.Module, artifact: VllmArtifact, config: KilnQuantConfig) -> Binding:
     binder = _Binder(artifact)
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
+        if (
+            isinstance(module, LinearBase)
+            and not isinstance(method, KilnLinearMethod)
+            and prefix in artifact.linears
+        ):
+            # A layer vLLM builds without the quantization config (Mixtral's router): the artifact
+            # stores it for a Kiln kernel like any other, so it runs that kernel (vLLM's unquantized
+            # method would repack the weight after loading).
+            method = module.quant_method = KilnLinearMethod(config, artifact, prefix)
         if isinstance(method, KilnLinearMethod):
             binder.linear(module, method.layer)
-        elif isinstance(method, KilnEmbeddingMethod):
-            binder.embedding(module, prefix)
+        elif isinstance(method, KilnMoEMethod):
+            binder.experts(module, method.group)
+        elif isinstance(method, KilnEmbeddingMethod) or isinstance(module, VocabParallelEmbedding):
+            binder.embedding(module, prefix)  # some models build embed_tokens without a quant config
     binder.retie(model)
     done = {id(new) for _, new in binder.binding.replaced.values()}
     binder.remaining(model, done)
     binder.retie(model)
     binder.binding.replaced.clear()  # drop the placeholders
     missing = sorted(set(artifact.linears) - {name.rpartition(".")[0] for name in binder.used})
+    missing += sorted(set(artifact.expert_groups) - binder.bound_groups)
     if missing:
-        raise PluginError(f"the artifact's layer(s) {missing[:3]} have no place in vLLM's model")
+        raise PluginError(
+            f"the artifact's layer(s) / expert group(s) {missing[:3]} have no place in vLLM's model"
+        )
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise PluginError(f"parameters left unbound: {left[:5]}")

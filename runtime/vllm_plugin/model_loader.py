@@ -52,6 +52,7 @@ class KilnModelLoader(BaseModelLoader):
             )
         self.verify = bool(extra.get("verify", False))
         self.artifact: VllmArtifact | None = None
+        self.quant_config: KilnQuantConfig | None = None
         self.binding: Binding | None = None
         self.bound_pointers: dict[str, int] = {}  # parameter -> data_ptr right after binding
 
@@ -90,6 +91,7 @@ class KilnModelLoader(BaseModelLoader):
             verify=self.verify,
         )
         quant_config.artifact = self.artifact
+        self.quant_config = quant_config
         model = self._build_and_bind(vllm_config, model_config, prefix)
         report = load_report(
             model,
@@ -133,7 +135,8 @@ class KilnModelLoader(BaseModelLoader):
             raise PluginError(
                 "the kiln loader binds weights only from load_model (the artifact is opened there)"
             )
-        self.binding = bind_model(model, self.artifact)
+        assert isinstance(self.quant_config, KilnQuantConfig)
+        self.binding = bind_model(model, self.artifact, self.quant_config)
         self.bound_pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -83,10 +84,7 @@ class KilnQuantConfig(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding):
             return KilnEmbeddingMethod(self, self.bound_artifact(prefix), prefix)
         if isinstance(layer, RoutedExperts):
-            raise PluginError(
-                f"layer {prefix}: Kiln's vLLM plugin does not map mixture-of-experts layers yet; "
-                "serve this artifact with `kiln serve`"
-            )
+            return KilnMoEMethod(self, self.bound_artifact(prefix), prefix, layer.moe_config)
         return None
 
 
@@ -163,3 +161,61 @@ class KilnEmbeddingMethod(QuantizeMethodBase):
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
         layer.weight = embed_tokens.weight
         return layer
+
+
+def expert_param_name(suffix: str) -> str:
+    """The parameter name of a stacked expert tensor ("w13.qweight" -> "w13_qweight")."""
+    return suffix.replace(".", "_")
+
+
+class KilnMoEMethod(FusedMoEMethodBase):
+    """One MoE layer's experts, stacked as the artifact stores them (`w13.*`, `w2.*`), run by the
+    Kiln expert-group kernel on vLLM's routing (top-k ids and weights)."""
+
+    def __init__(self, config: KilnQuantConfig, artifact: VllmArtifact, prefix: str, moe: Any) -> None:
+        super().__init__(moe)
+        self.config = config
+        self.group = artifact.expert_group(prefix)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        spec = self.group.spec
+        if (num_experts, hidden_size, intermediate_size_per_partition) != (
+            spec.num_experts,
+            spec.hidden,
+            spec.intermediate,
+        ):
+            raise PluginError(
+                f"expert group {spec.name}: vLLM's model gives it {num_experts} local experts, hidden "
+                f"{hidden_size}, intermediate {intermediate_size_per_partition} on this rank; the artifact "
+                f"has {spec.num_experts}, {spec.hidden}, {spec.intermediate} (a different TP / EP layout "
+                "than the artifact was converted for)"
+            )
+        for suffix, t in self.group.tensors.items():
+            _placeholder(layer, expert_param_name(suffix), tuple(t.shape), t.dtype, spec.name)
+
+    def get_fused_moe_quant_config(self, layer: nn.Module) -> None:
+        return None  # the Kiln kernel runs the whole expert MLP; no vLLM modular kernel is built
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.config.processed_layers += 1
+
+    def apply(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if shared_experts is not None:
+            raise PluginError(f"{self.group.name}: shared experts are not mapped by Kiln's plugin")
+        return layer.kiln_forward(x, topk_ids, topk_weights)

@@ -50,10 +50,15 @@ def test_a_tp_mismatch_is_refused_naming_the_flag(tmp_path: Path) -> None:
         open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
 
 
-def test_a_moe_artifact_is_refused_before_mapping(tmp_path: Path) -> None:
-    artifact = _convert(tmp_path, "dense", "cpu", dims=QWEN3_MOE_TINY)
-    with pytest.raises(PluginError, match=r"mixture-of-experts layer.*kiln serve"):
-        open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+def test_a_moe_artifact_opens_with_every_expert_group_checked(tmp_path: Path) -> None:
+    artifact = _convert(tmp_path, "gptq", "cpu", dims=QWEN3_MOE_TINY, group_size=32)
+    opened = open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+    assert set(opened.expert_groups) == set(opened.manifest.expert_groups) != set()
+    group = next(iter(opened.expert_groups.values()))
+    assert group.spec.num_experts == QWEN3_MOE_TINY.num_experts
+    assert all(name.startswith(("w13.", "w2.")) for name in group.tensors)
+    with pytest.raises(PluginError, match="mixture-of-experts layer"):
+        opened.expert_group("model.layers.9.mlp.experts")
 
 
 def test_open_maps_the_rank_files_and_checks_every_layer(tmp_path: Path) -> None:
