@@ -19,6 +19,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from runtime.loader import CheckedExpertGroup, CheckedLinear, check_dense_tensor
 from runtime.vllm_plugin.artifact import PluginError, VllmArtifact
 from runtime.vllm_plugin.quant_config import (
+    BOUND_EXPERTS,
     KilnEmbeddingMethod,
     KilnLinearMethod,
     KilnMoEMethod,
@@ -98,7 +99,7 @@ class _Binder:
 
     def experts(self, module: nn.Module, group: CheckedExpertGroup) -> None:
         tensors = {suffix: self.to_device(t) for suffix, t in group.tensors.items()}
-        module.kiln_forward = group.kernel.bind_apply(tensors, group.spec)
+        BOUND_EXPERTS[group.name] = group.kernel.bind_apply(tensors, group.spec)
         self.binding.runs_on[f"kiln:{group.kernel.name}"] += 1
         self.bound_groups.add(group.name)
         for suffix, t in tensors.items():

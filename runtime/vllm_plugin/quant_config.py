@@ -218,4 +218,25 @@ class KilnMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         if shared_experts is not None:
             raise PluginError(f"{self.group.name}: shared experts are not mapped by Kiln's plugin")
-        return layer.kiln_forward(x, topk_ids, topk_weights)
+        return torch.ops.kiln.experts(x, topk_ids, topk_weights, self.group.name)
+
+
+# The bound expert groups of this process, by layer name, for the `kiln::experts` op.
+BOUND_EXPERTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+@torch.library.custom_op("kiln::experts", mutates_args=())
+def experts_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: str
+) -> torch.Tensor:
+    """One expert group's MLP as an opaque op: Kiln's kernels group tokens by expert with
+    data-dependent shapes, which vLLM's torch.compile cannot trace; as a custom op the compiled graph
+    calls it like vLLM's own fused-MoE op."""
+    return BOUND_EXPERTS[layer](x, topk_ids, topk_weights)
+
+
+@experts_op.register_fake
+def _experts_shape(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: str
+) -> torch.Tensor:
+    return torch.empty_like(x)
