@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results" / "vllm_load.json"
+from tests.vllm_plugin.vllm_host import stop  # noqa: E402  (after the path set-up above)
+
 PROBE_DIR = REPO / "bench" / "vllm_probe"
 READY_TIMEOUT_S = 900.0
 DECODE_TOKENS = 128
@@ -165,16 +166,6 @@ def decode(base: str, tokenizer: bool) -> tuple[float, list[int]]:
     return r.json()["usage"]["completion_tokens"] / seconds, list(choice.get("token_ids") or [])
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def one_start(
     vllm_python: Path, model: Path, mode: str, *, kiln: bool, tokenizer: bool, work: Path, gpu: bool
 ) -> dict:
@@ -188,7 +179,7 @@ def one_start(
         loads = [json.loads(line) for line in probe.read_text().splitlines()]
         tok_s, token_ids = decode(base, tokenizer)
     finally:
-        stop(proc)
+        stop(proc, timeout_s=60)
     (load,) = loads
     return {
         "ready_seconds": ready,

@@ -105,13 +105,15 @@ def vllm_serve(artifact: Path, workdir: Path, *extra: str) -> Iterator[VllmServe
         stop(proc)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """Stop a server started with start_new_session=True: its whole process group (vLLM's engine and
+    workers), SIGTERM first, SIGKILL after `timeout_s`."""
     import signal
 
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
