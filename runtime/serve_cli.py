@@ -6,11 +6,18 @@ Flags follow `vllm serve`. Heavy imports happen inside the command so `kiln --he
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from runtime.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +104,50 @@ def serve(
         raise typer.Exit(code=1) from e
     artifact_id = loaded.manifest.artifact_id
     name = served_model_name or artifact_id
+    async_engine = AsyncEngine(engine)
     app = build_app(
-        AsyncEngine(engine),
+        async_engine,
         name,
         loaded.tokenizer,
         root=artifact_id,
         max_request_bytes=max_request_bytes or settings.serve_max_request_bytes,
     )
     log.info("serving %s (%s) on http://%s:%d, loaded in %.2f s", name, path, host, port, loaded.load_seconds)
-    uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
+    if not run_beside_engine(server, async_engine):
+        raise typer.Exit(code=1)
+
+
+def run_beside_engine(server: uvicorn.Server, async_engine: AsyncEngine) -> bool:
+    """Serve HTTP from a background thread while this thread — the one that loaded the model —
+    runs the engine (see AsyncEngine). SIGINT / SIGTERM stop the server gracefully (a second one
+    forces it); the engine keeps stepping until the server has finished its requests. Returns
+    whether the server started."""
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn exits this way when it cannot bind; it has logged why
+            log.debug("the HTTP server exited early", exc_info=True)
+
+    http = threading.Thread(target=serve_http, name="kiln-http", daemon=True)
+
+    def stop(signum: int, _frame: object) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        async_engine.run_here(keep_running=http.is_alive)
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+        async_engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return server.started
 
 
 def register_serve(app: typer.Typer) -> None:
