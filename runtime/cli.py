@@ -68,6 +68,9 @@ def generate_command(
     verify: Annotated[bool, typer.Option(help=VERIFY_HELP)] = False,
 ) -> None:
     """One-shot generation: prints the completion, then load time and tokens/s on stderr."""
+    from runtime.startup import freeze_long_lived, import_torch
+
+    import_torch()
     from runtime.chat import apply_chat_template
     from runtime.engine import Engine
     from runtime.loader import load_model
@@ -79,6 +82,7 @@ def generate_command(
         path = resolve_artifact(artifact, cache_dir, verify=verify)
         loaded = load_model(path, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
         engine = Engine(loaded, max_num_seqs=1, max_model_len=max_model_len)
+        freeze_long_lived()
         tokenizer = loaded.tokenizer
         assert tokenizer is not None
         if chat:

@@ -81,6 +81,9 @@ def serve(
     ] = None,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (/v1/chat/completions, /v1/completions, …)."""
+    from runtime.startup import freeze_long_lived, import_torch
+
+    import_torch()
     import torch
     import uvicorn
 
@@ -99,6 +102,7 @@ def serve(
         if loaded.tokenizer is None:
             raise typer.BadParameter(f"{path}: the artifact has no tokenizer", param_hint="ARTIFACT")
         engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        freeze_long_lived()
     except KilnError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=1) from e

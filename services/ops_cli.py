@@ -5,18 +5,28 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from services.redact import redact_url
-from services.settings import ServiceSettings, get_settings
+
+if TYPE_CHECKING:
+    from services.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
 db_app = typer.Typer(help="Database migrations (Alembic); run `kiln db upgrade` before starting services.")
 admin_app = typer.Typer(help="Administration: API tokens, reconciliation.")
+
+
+def get_settings() -> ServiceSettings:
+    """The service settings, imported on first use: runtime commands (`kiln generate`, `kiln serve`)
+    share this CLI and must not pay for pydantic-settings on their way to the first token."""
+    from services.settings import get_settings as load
+
+    return load()
 
 
 def _is_sqlite(url: str) -> bool:
