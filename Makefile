@@ -61,19 +61,15 @@ bench-repack: install
 bench-convert: install
 	$(PY) bench/convert.py
 
-# llama.cpp (llama-cpp-python, compiled here, ≈10 min) for bench/runtime.py, in a throwaway venv.
-# Portable x86 flags with AVX-512/VNNI and no AMX: some VMs advertise AMX without granting it, and
-# llama.cpp's AMX code then dies with a general protection fault.
+# llama.cpp (llama-cpp-python, compiled here, ≈10 min) for bench/runtime.py, in a throwaway venv, with
+# this CPU's SIMD flags and never AMX (see infra/llamacpp-cmake-args.sh).
 LLAMA_VENV ?= /tmp/llamacpp-venv
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 llamacpp-venv: $(LLAMA_VENV)/.kiln-installed
 
 $(LLAMA_VENV)/.kiln-installed:
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_VENV)/bin/pip install -q --no-cache-dir llama-cpp-python
+	CMAKE_ARGS="$$(bash infra/llamacpp-cmake-args.sh)" $(LLAMA_VENV)/bin/pip install -q --no-cache-dir llama-cpp-python
 	touch $@
 
 # Every row of the runtime table: Kiln (library and served), transformers, llama.cpp, vLLM CPU.

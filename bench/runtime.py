@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -234,6 +235,11 @@ def run_child(
     t_spawn = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KILN-BENCH ")]
+    if proc.returncode == -signal.SIGILL:
+        raise RuntimeError(
+            f"{system} died of SIGILL: it was built for another CPU (this one: {_cpu_description()}); "
+            "rebuild it here (for llama.cpp: rm -rf /tmp/llamacpp-venv && make llamacpp-venv)"
+        )
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{system} child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1].removeprefix("KILN-BENCH "))
@@ -247,13 +253,24 @@ def _batches(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def import_torch_s(args: argparse.Namespace) -> float:
-    """Median wall time of `python -c "import torch"`: the floor of any torch runtime's cold start."""
-    walls = []
-    for _ in range(args.cold_runs):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=args.child_timeout)
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls)
+    """Median time from process start to a line printed right after `import torch`: the floor of any
+    torch runtime's cold start (the same end point as `kiln generate`'s first token: not the exit,
+    torch's teardown takes ≈0.5 s more)."""
+    cmd = [sys.executable, "-c", "import torch; print('imported', flush=True)"]
+    return statistics.median(_first_output_s(cmd, os.environ, args)[0] for _ in range(args.cold_runs))
+
+
+def _first_output_s(cmd: list[str], env: Any, args: argparse.Namespace) -> tuple[float, float]:
+    """(process start -> first byte on its stdout, process start -> exit)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    first = time.perf_counter() - t0
+    _, err = proc.communicate(timeout=args.child_timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed (rc {proc.returncode}):\n{err.decode()[-3000:]}")
+    return first, time.perf_counter() - t0
 
 
 def measure_served(name: str, path: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -286,16 +303,7 @@ def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> tuple[float, flo
         "KILN_NUM_THREADS": str(args.threads),
         "OMP_NUM_THREADS": str(args.threads),
     }
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None
-    proc.stdout.read(1)
-    first = time.perf_counter() - t0
-    _, err = proc.communicate(timeout=args.child_timeout)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"kiln generate failed (rc {proc.returncode}):\n{err.decode()[-3000:]}")
-    return first, wall
+    return _first_output_s(cmd, env, args)
 
 
 def measure(python: str, system: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -529,7 +537,7 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cold-runs", type=int, default=3)
+    ap.add_argument("--cold-runs", type=int, default=5)
     ap.add_argument("--child-timeout", type=int, default=1200)
     ap.add_argument("--no-build", action="store_true", help="use only artifacts already in the cache")
     ap.add_argument(
