@@ -52,6 +52,12 @@ MIN_DECIDED_FRACTION = 0.75  # of all positions, else the tight bound would chec
 LOGPROB_DECIDED_ATOL = 0.08  # /v1/completions echo log-probabilities, decided positions
 # FP8 KV cache (e4m3, per-layer scales) on top of the weights, decode steps: measured max |Δ| 0.21.
 KV_FP8_DECIDED_LOGPROB_ATOL = 0.35
+# e4m3 keys and values (2^-4 relative) move the hidden states, hence the router logits, far more than
+# bf16 rounding: at a 0.03 gap an expert flipped at a "decided" decode position (|Δ logprob| 0.69,
+# AMD EPYC with avx512_bf16, where compute is bf16), so under the FP8 cache a position counts as
+# decided only with this wider gap.
+KV_FP8_ROUTER_TIE_LOGIT_GAP = 0.06
+KV_FP8_MIN_DECIDED_FRACTION = 0.3  # of the greedy decode positions
 GREEDY_TOKENS = 12
 
 # cell -> (source checkpoint fixture, conversion method, experts' kernel on cpu)
@@ -128,15 +134,18 @@ class Cell:
     routers: dict[str, torch.Tensor]  # filled by forward hooks: MoE layer -> (T, E) router logits
 
     @torch.inference_mode()
-    def reference_logits(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, V) fp32 logits and (T,) bool: routing decided in every MoE layer at that position."""
+    def reference_logits(
+        self, ids: list[int], tie_gap: float = ROUTER_TIE_LOGIT_GAP
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, V) fp32 logits and (T,) bool: routing decided in every MoE layer at that position
+        (its k-th router logit at least `tie_gap` above the next)."""
         self.routers.clear()
         logits = self.reference(torch.tensor([ids])).logits[0].float()
         decided = torch.ones(len(ids), dtype=torch.bool)
         top_k = self.reference.config.num_experts_per_tok if self.routers else 0
         for router_logits in self.routers.values():
             top = router_logits.reshape(len(ids), -1).topk(top_k + 1, dim=-1).values
-            decided &= (top[:, top_k - 1] - top[:, top_k]) >= ROUTER_TIE_LOGIT_GAP
+            decided &= (top[:, top_k - 1] - top[:, top_k]) >= tie_gap
         return logits, decided
 
 
@@ -236,6 +245,7 @@ def test_decode_with_an_fp8_kv_cache_follows_transformers(served_cell: Cell) -> 
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, params)
     generated: dict[int, list[tuple[int, float]]] = {i: [] for i in range(len(PROMPTS))}
+    decided_rows: list[torch.Tensor] = []
     while engine.has_unfinished():
         for out in engine.step():
             assert out.logprobs is not None
@@ -243,13 +253,16 @@ def test_decode_with_an_fp8_kv_cache_follows_transformers(served_cell: Cell) -> 
     for i, prompt in enumerate(PROMPTS):
         tokens = [t for t, _ in generated[i]]
         assert len(tokens) == GREEDY_TOKENS
-        logits, decided = cell.reference_logits(prompt + tokens[:-1])
+        logits, decided = cell.reference_logits(prompt + tokens[:-1], KV_FP8_ROUTER_TIE_LOGIT_GAP)
         rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + GREEDY_TOKENS)
+        decided_rows.append(decided[rows])
         want = torch.log_softmax(logits, -1)[rows, torch.tensor(tokens)]  # (GREEDY_TOKENS,)
         diff = (torch.tensor([lp for _, lp in generated[i]]) - want).abs()
         print(f"\n{cell.name} fp8 KV decode: max |Δ logprob| {diff[decided[rows]].max().item():.4f}")
         assert diff[decided[rows]].max().item() <= KV_FP8_DECIDED_LOGPROB_ATOL, diff
         assert diff.max().item() <= 2 * LOGITS_MAX_ABS_TOL, diff
+    fraction = torch.cat(decided_rows).float().mean().item()
+    assert fraction >= KV_FP8_MIN_DECIDED_FRACTION, f"only {fraction:.0%} of decode positions decided"
 
 
 def test_completions_echo_logprobs_match_transformers(served_cell: Cell) -> None:
