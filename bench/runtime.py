@@ -23,7 +23,8 @@ bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — con
 cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
-its Python API decodes one sequence, so llama.cpp has batch 1 only; vLLM's CPU API server on the GPTQ
+its Python API decodes one sequence at a time, so its batch-B figure is that sequential rate (no parallel
+slots); vLLM's CPU API server on the GPTQ
 checkpoint with its own kernels, torch.compile'd (its default) and eager, when --vllm-python exists
 (`make vllm-venv`; vLLM keeps one of the cores for itself). Kiln and the other libraries use --threads
 threads (default 2; on a busy machine use --threads 1: spinning OpenMP / ggml threads collapse when a
@@ -163,7 +164,9 @@ def child_transformers(
     return result
 
 
-def child_llama_cpp(path: str, tokens: int, threads: int, cold_only: bool) -> dict[str, Any]:
+def child_llama_cpp(
+    path: str, tokens: int, threads: int, cold_only: bool, batches: tuple[int, ...]
+) -> dict[str, Any]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
@@ -186,7 +189,10 @@ def child_llama_cpp(path: str, tokens: int, threads: int, cold_only: bool) -> di
         return result
     run(WARMUP_TOKENS)
     _, secs = run(tokens)
-    result["decode_tok_s"] = {"1": (tokens - 1) / secs}
+    # llama-cpp-python decodes one sequence at a time: its batch-B throughput is the sequential one
+    rate = (tokens - 1) / secs
+    result["decode_tok_s"] = {str(b): rate for b in batches}
+    result["batches_sequential"] = True
     return result
 
 
@@ -194,7 +200,7 @@ def child_main(args: argparse.Namespace) -> None:
     if args.child == "kiln":
         result = child_kiln(args.path, args.tokens, args.threads, args.cold_only, _batches(args))
     elif args.child == "llama.cpp":
-        result = child_llama_cpp(args.path, args.tokens, args.threads, args.cold_only)
+        result = child_llama_cpp(args.path, args.tokens, args.threads, args.cold_only, _batches(args))
     else:
         result = child_transformers(
             args.path, args.tokens, args.threads, args.cold_only, args.child.split("-")[1], _batches(args)
@@ -450,7 +456,7 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
     for name, r in results.items():
         d = r["decode_tok_s"]
         table.add_row(
-            name,
+            f"{name} (b > 1: sequential)" if r.get("batches_sequential") else name,
             _fmt(r["cold_start_s"]),
             _fmt(r.get("kiln_generate_first_token_s")),
             _fmt(r.get("kiln_generate_exit_s")),
