@@ -231,13 +231,9 @@ def run_child(
     ]
     if cold_only:
         cmd.append("--cold-only")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "KILN_NUM_THREADS": str(args.threads),
-        "OMP_NUM_THREADS": str(args.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    from bench.served import threads_env  # parent side only: children run in peers' venvs
+
+    env = threads_env(args.threads)
     t_spawn = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KILN-BENCH ")]
@@ -303,13 +299,9 @@ def kiln_generate_cli_s(path: str, args: argparse.Namespace) -> tuple[float, flo
     """`kiln generate ARTIFACT --max-tokens 1` as a user runs it: (process start -> its first token on
     stdout, process start -> exit). The command writes each token as it is sampled."""
     cmd = [sys.executable, "-m", "services.cli", "generate", path, "--prompt", PROMPT, "--max-tokens", "1"]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "KILN_NUM_THREADS": str(args.threads),
-        "OMP_NUM_THREADS": str(args.threads),
-    }
-    return _first_output_s(cmd, env, args)
+    from bench.served import threads_env
+
+    return _first_output_s(cmd, threads_env(args.threads), args)
 
 
 def measure(python: str, system: str, path: str, args: argparse.Namespace) -> dict[str, Any]:

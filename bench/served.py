@@ -42,35 +42,60 @@ def free_port() -> int:
     return pick()
 
 
+def threads_env(threads: int) -> dict[str, str]:
+    """This environment with the repository importable and every library at `threads` threads."""
+    repo = Path(__file__).resolve().parents[1]
+    return {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "KILN_NUM_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
 def start_kiln(artifact: Path, threads: int, max_num_seqs: int, log: Path) -> Server:
     port = free_port()
     cmd = [
         sys.executable, "-m", "services.cli", "serve", str(artifact), "--port", str(port),
         "--max-num-seqs", str(max_num_seqs), "--uvicorn-log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "KILN_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    return _spawn(cmd, env, port, artifact.name, log)
+    return _spawn(cmd, threads_env(threads), port, artifact.name, log)
 
 
-def start_vllm(vllm_python: Path, checkpoint: Path, mode: str, max_num_seqs: int, log: Path) -> Server:
-    """vLLM's CPU API server on a checkpoint, its own kernels, `mode` eager or compiled (its default)."""
-    port = free_port()
+def vllm_api_command(vllm_python: Path, model: Path, port: int, mode: str, max_num_seqs: int) -> list[str]:
+    """vLLM's CPU/GPU API server on `model` (a checkpoint, or an artifact with `--load-format kiln`
+    appended), `mode` eager or compiled (its default), served as "m", context 512, bf16."""
     cmd = [
-        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--dtype", "bfloat16",
         "--served-model-name", "m", "--max-num-seqs", str(max_num_seqs),
     ]  # fmt: skip
     if mode == "eager":
         cmd.append("--enforce-eager")
+    return cmd
+
+
+def vllm_env(gpu: bool = False) -> dict[str, str]:
+    """This environment without the calling venv's marker; on CPU a 1 GiB KV cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    return _spawn(cmd, env, port, "m", log)
+    if not gpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
+
+
+def start_vllm(vllm_python: Path, checkpoint: Path, mode: str, max_num_seqs: int, log: Path) -> Server:
+    """vLLM's CPU API server on a checkpoint, with its own kernels."""
+    port = free_port()
+    return _spawn(
+        vllm_api_command(vllm_python, checkpoint, port, mode, max_num_seqs), vllm_env(), port, "m", log
+    )
 
 
 def _spawn(cmd: list[str], env: dict[str, str], port: int, model: str, log: Path) -> Server:
     repo = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if str(repo) not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     t0 = time.perf_counter()
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -86,12 +111,17 @@ def stop(server: Server) -> None:
 
 
 def wait_ready(server: Server, log: Path) -> None:
-    while time.perf_counter() - server.spawned_at < READY_TIMEOUT_S:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{log.read_text()[-3000:]}")
+    wait_healthy(server.proc, server.base_url, log, server.spawned_at)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base_url: str, log: Path, since: float) -> float:
+    """Poll `/health` until 200 while the process lives; seconds from `since` (perf_counter) to ready."""
+    while time.perf_counter() - since < READY_TIMEOUT_S:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return time.perf_counter() - since
         except httpx.TransportError:
             pass
         time.sleep(0.05)

@@ -45,10 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results" / "vllm_load.json"
-from tests.vllm_plugin.vllm_host import stop  # noqa: E402  (after the path set-up above)
+from bench.served import free_port, vllm_api_command, vllm_env, wait_healthy  # noqa: E402  (after the path set-up)
+from tests.vllm_plugin.vllm_host import stop  # noqa: E402
 
 PROBE_DIR = REPO / "bench" / "vllm_probe"
-READY_TIMEOUT_S = 900.0
 DECODE_TOKENS = 128
 
 
@@ -97,50 +97,22 @@ def status_kb(pid: int, field: str) -> int:
 def start(
     vllm_python: Path, model: Path, mode: str, *, kiln: bool, tokenizer: bool, probe: Path, gpu: bool
 ) -> Any:
-    cmd = [
-        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", "512", "--dtype", "bfloat16",
-        "--served-model-name", "m", "--max-num-seqs", "8",
-    ]  # fmt: skip
+    port = free_port()
+    cmd = vllm_api_command(vllm_python, model, port, mode, max_num_seqs=8)
     if kiln:
         cmd += ["--load-format", "kiln"]
-    if mode == "eager":
-        cmd.append("--enforce-eager")
     if not tokenizer:
         cmd.append("--skip-tokenizer-init")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
     if gpu:
         cmd += ["--gpu-memory-utilization", "0.5"]
-    else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env = vllm_env(gpu)
     env.update(
         KILN_BENCH_PROBE=str(probe),
         PYTHONPATH=os.pathsep.join([str(PROBE_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
-    port = int(cmd[cmd.index("--port") + 1])
     log = probe.with_suffix(".log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    from runtime.distributed import free_port as pick
-
-    return pick()
-
-
-def wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < READY_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"vLLM not ready in {READY_TIMEOUT_S} s")
 
 
 PROMPT_TEXT = "Write a story about a lighthouse keeper."
@@ -173,7 +145,7 @@ def one_start(
     t0 = time.perf_counter()
     proc, base = start(vllm_python, model, mode, kiln=kiln, tokenizer=tokenizer, probe=probe, gpu=gpu)
     try:
-        ready = wait_ready(proc, base, probe.with_suffix(".log"))
+        ready = wait_healthy(proc, base, probe.with_suffix(".log"), time.perf_counter())
         pids = [proc.pid, *descendants(proc.pid)]
         hwm = {pid: status_kb(pid, "VmHWM") for pid in pids}
         loads = [json.loads(line) for line in probe.read_text().splitlines()]
