@@ -58,6 +58,7 @@ class Variant:
     fp8_strategy: str | None = None
     block_size: tuple[int, int] | None = None
     backend: str = "triton"  # fp8_w8a8 only: "triton" or "scaled_mm"
+    int8_activations: bool = False  # int8_w8a8: the layer declares per-token int8 activations
 
     def spec(self, n: int, k: int) -> LinearSpec:
         return LinearSpec(
@@ -72,6 +73,7 @@ class Variant:
             fp8_strategy=self.fp8_strategy,  # type: ignore[arg-type]
             block_size=self.block_size,
             act_dtype="bfloat16",
+            int8_activations=self.int8_activations,
         )
 
 
@@ -83,6 +85,7 @@ VARIANTS = (
     Variant("gptq W4A16 asym g128", "gptq_wna16", "int", symmetric=False),
     Variant("fp8_w8a8 channel (triton)", "fp8_w8a8", "fp8", fp8_strategy="channel"),
     Variant("fp8_w8a8 channel (_scaled_mm)", "fp8_w8a8", "fp8", fp8_strategy="channel", backend="scaled_mm"),
+    Variant("int8_w8a8 channel", "int8_w8a8", "int", bits=8, group_size=-1, int8_activations=True),
     Variant("fp8_marlin channel", "fp8_marlin", "fp8", fp8_strategy="channel"),
     Variant("fp8_marlin block 128", "fp8_marlin", "fp8", fp8_strategy="block", block_size=(128, 128)),
     Variant("fp8_w8a16 channel", "fp8_w8a16", "fp8", fp8_strategy="channel"),
@@ -135,8 +138,10 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
+    from kernels.codecs.int8 import quantize_per_token_int8
     from kernels.fp8_w8a8 import quantize_per_token_reference, scaled_mm_gemm
 
+    token_quant = {"fp8_w8a8": quantize_per_token_reference, "int8_w8a8": quantize_per_token_int8}
     dev = torch.device("cuda")
     cap = torch.cuda.get_device_capability()
     target_cc = cap[0] * 10 + cap[1]
@@ -179,8 +184,8 @@ def run_gpu(args: argparse.Namespace) -> int:
                 fn = kern.apply
             for m in ms_list:
                 x = xs[m]
-                if v.kernel == "fp8_w8a8":
-                    q, s = quantize_per_token_reference(x)
+                if v.kernel in token_quant:
+                    q, s = token_quant[v.kernel](x)
                     ref = (q.float() * s[:, None]) @ w_ref.T
                 else:
                     ref = x.float() @ w_ref.T
@@ -415,7 +420,7 @@ def compile_kernel(
 
 def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
     """(label, arch, fn, signature, constexprs, config) for every kernel variant and M bucket."""
-    from kernels import fp8_marlin, fp8_w8a8, fp8_w8a16, gptq_wna16, marlin_wna16
+    from kernels import fp8_marlin, fp8_w8a8, fp8_w8a16, gptq_wna16, int8_w8a8, marlin_wna16
     from kernels.triton_utils import GemmConfig, cuda_block_config, fit_to_groups, largest_block_dividing
 
     act = "bf16"
@@ -435,6 +440,7 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
         "N": "i32",
         "K": "i32",
     }
+    int8_sig = {**w8a8_sig, "XQ": "*i8", "W": "*i8"}
     w8a16_ints = {"M": "i32", "N": "i32", "K": "i32", "block_n": "i32", "block_k": "i32", "k_blocks": "i32"}
     w8a16_sig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "BIAS": f"*{act}", "Y": f"*{act}", **w8a16_ints}
     w8a16_sig_fp16 = {**w8a16_sig, "X": "*fp16", "BIAS": "*fp16", "Y": "*fp16"}
@@ -550,10 +556,22 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                             arch,
                             fp8_w8a8._gemm_kernel(),
                             w8a8_sig,
-                            consts,
+                            {**consts, "INT8": False},
                             cfg,
                         )
                     )
+                if per_channel:  # int8_w8a8: channelwise weight scales only
+                    for arch in (80, 90):
+                        out.append(
+                            (
+                                f"int8_w8a8 M={m} split={split_k}",
+                                arch,
+                                fp8_w8a8._gemm_kernel(),
+                                int8_sig,
+                                {**consts, "INT8": True},
+                                cfg,
+                            )
+                        )
     out += moe_compile_matrix(quick)
     quant_sig = {"X": f"*{act}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32"}
     for arch in (89, 90):
@@ -567,6 +585,15 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                 {"BLOCK": 4096, "INTERPRET": False},
                 cfg,
             )
+        )
+    int8_quant_sig = {
+        "X": f"*{act}", "Q": "*i8", "S": "*fp32", "K": "i32",
+        "min_amax": "fp32", "divisor": "fp32", "qmax": "fp32", "magic": "fp32",
+    }  # fmt: skip
+    for arch in (80, 90):
+        cfg = GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
+        out.append(
+            ("int8 per-token quant", arch, int8_w8a8._quant_kernel(), int8_quant_sig, {"BLOCK": 4096}, cfg)
         )
     return out
 

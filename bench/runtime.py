@@ -19,7 +19,8 @@ Every system runs in its own process, so each figure includes nothing of the oth
   peak RSS     the decode process's peak resident set (VmHWM; a server's processes summed).
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/demo/checkpoints.py —
-bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ — converted on first use and
+bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
+declared and the same checkpoint weight-only — converted on first use and
 cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
@@ -332,15 +333,18 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
     """The SmolLM2 CPU artifacts and the bf16 source, from services/demo/checkpoints.py's cache."""
     from services.demo import checkpoints
 
-    sources = {
-        "bf16": (checkpoints.build_bf16, "auto"),
-        "fp8": (checkpoints.build_bf16, "fp8"),
-        "int4-gptq": (checkpoints.build_gptq, "auto"),
-        "int4-awq": (checkpoints.build_awq_packed, "auto"),
+    sources: dict[str, tuple[Any, str, tuple[str, ...]]] = {
+        "bf16": (checkpoints.build_bf16, "auto", ()),
+        "fp8": (checkpoints.build_bf16, "fp8", ()),
+        "int4-gptq": (checkpoints.build_gptq, "auto", ()),
+        "int4-awq": (checkpoints.build_awq_packed, "auto", ()),
+        # SmoothQuant W8A8 as declared (int8 x int8) and the same checkpoint weight-only
+        "int8-w8a8": (checkpoints.build_w8a8_int8, "auto", ()),
+        "int8-w8a8-as-w8a16": (checkpoints.build_w8a8_int8, "auto", ("cpu_w8a8",)),
     }
     artifacts: dict[str, Path] = {}
     source: Path | None = None
-    for name, (builder, method) in sources.items():
+    for name, (builder, method, disabled) in sources.items():
         try:
             src = builder(None) if build else _existing(checkpoints.cache_root() / _dir_of(builder))
             if src is None:
@@ -348,7 +352,9 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
                 continue
             if builder is checkpoints.build_bf16:
                 source = src
-            artifacts[f"kiln-{name}"] = checkpoints.build_artifact(src, "cpu", method=method)
+            artifacts[f"kiln-{name}"] = checkpoints.build_artifact(
+                src, "cpu", method=method, disabled_kernels=disabled
+            )
         except Exception as e:  # a missing piece should not stop the other measurements
             print(f"  skip kiln-{name}: {type(e).__name__}: {e}")
     return artifacts, source
@@ -357,9 +363,12 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
 def _dir_of(builder: Any) -> str:
     from services.demo import checkpoints
 
-    return {checkpoints.build_bf16: checkpoints.BF16_DIR, checkpoints.build_gptq: checkpoints.GPTQ_DIR}[
-        builder
-    ]
+    return {
+        checkpoints.build_bf16: checkpoints.BF16_DIR,
+        checkpoints.build_gptq: checkpoints.GPTQ_DIR,
+        checkpoints.build_awq_packed: checkpoints.AWQ_PACKED_DIR,
+        checkpoints.build_w8a8_int8: checkpoints.W8A8_DIR,
+    }[builder]
 
 
 def _existing(path: Path) -> Path | None:
@@ -640,7 +649,8 @@ def main() -> None:
                     runs.setdefault(name, []).append(measure_served(name, path, args, Path(work)))
                 except (RuntimeError, OSError) as e:
                     print(f"  {name} failed: {e}")
-    results = {name: _median_of_runs(rs) for name, rs in runs.items()}
+    # a system that failed every round has no row
+    results = {name: _median_of_runs(rs) for name, rs in runs.items() if rs}
     import_torch = import_torch_s(args)
     summary = report(results, import_torch)
     out = {

@@ -54,6 +54,9 @@ class LinearSpec:
     row_parallel: bool = False
     has_bias: bool = False
     act_dtype: str = "bfloat16"  # activation dtype at runtime ("bfloat16" | "float16" | "float32")
+    # The checkpoint was calibrated for dynamic per-token symmetric int8 activations (W8A8 int8);
+    # W8A8 kernels take such layers, weight-only kernels run them as W8A16.
+    int8_activations: bool = False
     shards: tuple[ShardSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -81,6 +84,8 @@ class LinearSpec:
         d = dataclasses.asdict(self)
         d["block_size"] = list(self.block_size) if self.block_size else None
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        if not self.int8_activations:
+            del d["int8_activations"]  # absent = False: manifests written before the field stay valid
         return d
 
     @classmethod

@@ -28,13 +28,22 @@ Stored tensors:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
-from kernels.errors import LayoutError
+from kernels.codecs.int8 import symmetric_channelwise_int8
 
-CODE_BIAS = 128  # uint8b128: real integer = code - 128
 DEQUANT_MIN_M = 32  # from this many rows on, one bf16 GEMM on the widened weight beats the op
+# torch 2.13's op segfaults from 4 rows on when the weight does not start 16-byte aligned, which a
+# tensor memory-mapped from a safetensors file (8-byte aligned) may not: such a weight is copied once.
+OP_WEIGHT_ALIGNMENT = 16
+
+
+def op_aligned(qweight: torch.Tensor) -> torch.Tensor:
+    """`qweight`, or a copy of it in a fresh (64-byte aligned) allocation when the op cannot take it."""
+    return qweight.clone() if qweight.data_ptr() % OP_WEIGHT_ALIGNMENT else qweight
 
 
 class CpuInt8Kernel(LinearKernel):
@@ -43,6 +52,7 @@ class CpuInt8Kernel(LinearKernel):
     schemes = frozenset({"int"})
     targets = frozenset({Target.CPU})
     cpu_act_dtype = torch.bfloat16
+    scale_dtype: torch.dtype = torch.bfloat16  # what the op multiplies by (it takes x's dtype)
     description = "8-bit symmetric channelwise weight-only, aten._weight_int8pack_mm (bf16 activations)"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
@@ -59,37 +69,23 @@ class CpuInt8Kernel(LinearKernel):
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
         out = {
             "qweight": StoredTensor((spec.n, spec.k), torch.int8),
-            "scales": StoredTensor((spec.n,), torch.bfloat16),
+            "scales": StoredTensor((spec.n,), self.scale_dtype),
         }
         return with_bias(out, spec, torch.float32)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, IntWeight):
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} needs an IntWeight, got {type(weight).__name__}"
-            )
-        n, k = spec.n, spec.k
-        if tuple(weight.codes.shape) != (n, k) or weight.bits != 8:
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} codes {tuple(weight.codes.shape)} x {weight.bits} bits, "
-                f"spec says ({n}, {k}) x 8 bits"
-            )
-        if weight.zeros is not None and not bool((weight.zeros == CODE_BIAS).all()):
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} has asymmetric zero points; use the dense kernel"
-            )
-        if tuple(weight.scales.shape) != (1, n):
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} scales have shape {tuple(weight.scales.shape)}, "
-                f"channelwise needs (1, {n}); grouped 8-bit goes to the dense kernel"
-            )
-        tensors = {
-            "qweight": (weight.codes.to(torch.int16) - CODE_BIAS).to(torch.int8).contiguous(),  # (N, K)
-            "scales": weight.scales.reshape(n).to(torch.bfloat16).contiguous(),  # (N,)
-        }
-        if weight.bias is not None:
+        qweight, scales = symmetric_channelwise_int8(weight, spec, self.name)
+        tensors = {"qweight": qweight, "scales": scales.to(self.scale_dtype).contiguous()}  # (N, K), (N,)
+        if isinstance(weight, IntWeight) and weight.bias is not None:
             tensors["bias"] = weight.bias.float()
         return tensors
+
+    def bind_apply(
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        bound = {**tensors, "qweight": op_aligned(tensors["qweight"])}  # aligned once, not per call
+        apply = self.apply
+        return lambda x: apply(x, bound, spec)
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return tensors["qweight"].float() * tensors["scales"].float()[:, None]
@@ -102,7 +98,7 @@ class CpuInt8Kernel(LinearKernel):
             w = tensors["qweight"].to(torch.bfloat16)  # exact: |q| <= 128
             y = torch.nn.functional.linear(x2, w).float() * tensors["scales"].float()
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, tensors["qweight"], tensors["scales"])
+            y = torch.ops.aten._weight_int8pack_mm(x2, op_aligned(tensors["qweight"]), tensors["scales"])
         if bias is not None:
             y = y.float() + bias
         return y.to(x.dtype).reshape(*lead, spec.n)

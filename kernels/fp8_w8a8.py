@@ -18,6 +18,7 @@ accumulation order; the error against unquantized activations is bounded separat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any, ClassVar
 
@@ -139,11 +140,25 @@ def fp8_w8a8_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with the Triton FP8 kernel; x (..., K) bf16/fp16."""
-    x2 = gemm_rows(x, spec.k, "fp8_w8a8").contiguous()
+    return token_scaled_gemm(x, quantize_per_token, tensors, spec, config, kernel="fp8_w8a8")
+
+
+def token_scaled_gemm(
+    x: torch.Tensor,
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    tensors: dict[str, torch.Tensor],
+    spec: LinearSpec,
+    config: GemmConfig | None = None,
+    *,
+    kernel: str,
+) -> torch.Tensor:
+    """y = (q @ weight.T) * scale_t * weight_scale (+ bias), q, scale_t = quantize(x rows), on 1-byte
+    operands: FP8 e4m3 (fp32 accumulator) or int8 (exact int32 accumulator, int8_w8a8)."""
+    x2 = gemm_rows(x, spec.k, kernel).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
         return empty_rows(x, n)
-    xq, xs = quantize_per_token(x2)
+    xq, xs = quantize(x2)
     cfg = config or default_config(m, n, k, x.device, kind="fp8")
     ws = tensors["weight_scale"]
     bias = tensors.get("bias")
@@ -151,7 +166,7 @@ def fp8_w8a8_gemm(
     _gemm_kernel()[run.grid](
         xq, xs, tensors["weight"], ws, bias if bias is not None else ws, run.y,
         m, n, k,
-        PER_CHANNEL=ws.numel() > 1, HAS_BIAS=bias is not None, **run.meta(),
+        PER_CHANNEL=ws.numel() > 1, HAS_BIAS=bias is not None, INT8=xq.dtype == torch.int8, **run.meta(),
     )  # fmt: skip
     return run.result()
 
@@ -215,17 +230,20 @@ def _gemm_kernel() -> Any:
     triton, tl = with_epilogue(globals())
 
     @triton.jit
-    def fp8_w8a8_kernel(
+    def token_scaled_gemm_kernel(
         XQ, XS, W, WS, BIAS, Y,
         M, N, K,
-        PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, INT8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
         pid_k = tl.program_id(1)
         offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
         k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |127 * 128| * K < 2^31
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(k_begin, k_end):
             offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
@@ -236,6 +254,7 @@ def _gemm_kernel() -> Any:
                 W + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
             )  # (BLOCK_K, BLOCK_N) view of the K-major (N, K) weight
             acc += tl.dot(a, b)
+        acc = acc.to(tl.float32)
         xs = tl.load(XS + offs_m, mask=mask_m, other=0.0)
         if PER_CHANNEL:
             ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
@@ -244,4 +263,4 @@ def _gemm_kernel() -> Any:
             acc = acc * xs[:, None] * tl.load(WS)
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
-    return fp8_w8a8_kernel
+    return token_scaled_gemm_kernel

@@ -32,11 +32,13 @@ ENTRY_POINT_GROUP = "kiln.kernels"
 # Every built-in kernel ("module:Class"), most preferred first.
 KERNELS: tuple[str, ...] = (
     "kernels.fp8_w8a8:Fp8W8A8Kernel",
+    "kernels.int8_w8a8:Int8W8A8Kernel",
     "kernels.marlin_wna16:MarlinWNA16Kernel",
     "kernels.gptq_wna16:GptqWNA16Kernel",
     "kernels.fp8_marlin:Fp8MarlinKernel",
     "kernels.fp8_w8a16:Fp8W8A16Kernel",
     "kernels.cpu_int4:CpuInt4Kernel",
+    "kernels.cpu_w8a8:CpuW8A8Kernel",
     "kernels.cpu_int8:CpuInt8Kernel",
     "kernels.cpu_fp8:CpuFp8Kernel",
     "kernels.dense:DenseKernel",

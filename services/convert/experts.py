@@ -133,7 +133,8 @@ def _moe_spec(
         return LinearSpec(
             name=name, scheme=q.scheme, n=n, k=k, k_full=k_full, bits=q.bits, group_size=q.group_size,
             symmetric=q.symmetric, act_order=q.act_order, fp8_strategy=q.fp8_strategy,
-            block_size=q.block_size, row_parallel=row_parallel, act_dtype=act_dtype, shards=shards,
+            block_size=q.block_size, row_parallel=row_parallel, act_dtype=act_dtype,
+            int8_activations=q.int8_activations, shards=shards,
         )  # fmt: skip
 
     w13 = linear(

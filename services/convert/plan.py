@@ -217,6 +217,7 @@ def rank_specs(
                 row_parallel=layout.row_parallel and tp > 1,
                 has_bias=has_bias,
                 act_dtype=act_dtype,
+                int8_activations=q.int8_activations,
                 shards=tuple(
                     ShardSpec(s.module, size) for s, size in zip(layout.shards, shard_sizes, strict=True)
                 )

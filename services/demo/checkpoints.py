@@ -14,6 +14,8 @@ dequantizes it to a dense model; everything else is derived from that dense mode
     awq_packed      AWQ-GEMM format (qweight/qzeros/scales) packed by AutoAWQ's own `WQLinear_GEMM`,
                     with AWQ's round-to-nearest zero-point recipe (no activation search)
     awq_llmcompressor  llm-compressor AWQ W4A16 asymmetric group 64 (≈18 min on 2 CPU cores)
+    w8a8_int8       llm-compressor SmoothQuant + W8A8 (channelwise int8 weights, dynamic per-token
+                    int8 activations) -> compressed-tensors int-quantized
 
 The cache root is `KILN_CHECKPOINT_CACHE` or `<repo>/.cache/kiln-test`.
 """
@@ -54,6 +56,7 @@ GPTQ_DIR = "smollm2-135m-instruct-gptq-w4a16-g64-v1"
 FP8_DYNAMIC_DIR = "smollm2-135m-instruct-fp8-dynamic-v1"
 AWQ_PACKED_DIR = "smollm2-135m-instruct-awq-gemm-g64-v1"
 AWQ_LLMCOMPRESSOR_DIR = "smollm2-135m-instruct-awq-llmcompressor-g64-v1"
+W8A8_DIR = "smollm2-135m-instruct-smoothquant-w8a8-int8-v1"
 
 
 class CheckpointUnavailable(KilnError):
@@ -249,6 +252,24 @@ def build_fp8_dynamic(cache: Path | None = None) -> Path:
     return _cached_build(FP8_DYNAMIC_DIR, cache, build)
 
 
+def build_w8a8_int8(cache: Path | None = None) -> Path:
+    """llm-compressor SmoothQuant (strength 0.8) + W8A8 int8: channelwise symmetric int8 weights, dynamic
+    per-token symmetric int8 activations (compressed-tensors int-quantized); ≈30 s on 2 cores."""
+    source = build_bf16(cache)
+
+    def build(out: Path) -> None:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+
+        recipe = [
+            SmoothQuantModifier(smoothing_strength=0.8),
+            QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+        ]
+        _oneshot(source, out, recipe, calibrate=True)
+
+    return _cached_build(W8A8_DIR, cache, build)
+
+
 def build_awq_llmcompressor(cache: Path | None = None) -> Path:
     """llm-compressor's real AWQ (activation-aware scale search), W4A16 asym g64; ≈18 min on 2 cores."""
     source = build_bf16(cache)
@@ -369,8 +390,10 @@ def build_artifact(
     method: str = "auto",
     cache: Path | None = None,
     progress: Callable[[Any], None] | None = None,
+    disabled_kernels: tuple[str, ...] = (),
 ) -> Path:
-    """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed)."""
+    """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed);
+    `disabled_kernels` leaves kernels out of the choice (e.g. cpu_w8a8 to run W8A8 as W8A16)."""
     from filelock import FileLock
 
     from services.convert.library import ConversionRequest, convert
@@ -378,10 +401,14 @@ def build_artifact(
     out = artifact_root(cache)
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / f"{Path(source).name}-{target}-{method}.lock")):
-        (result,) = convert(
-            ConversionRequest(source=str(source), targets=[target], method=method, out=str(out)),
-            progress=progress,
+        request = ConversionRequest(
+            source=str(source),
+            targets=[target],
+            method=method,
+            out=str(out),
+            disabled_kernels=disabled_kernels,
         )
+        (result,) = convert(request, progress=progress)
     return Path(result.uri)
 
 
@@ -391,4 +418,5 @@ BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "fp8_dynamic": build_fp8_dynamic,
     "awq_packed": build_awq_packed,
     "awq_llmcompressor": build_awq_llmcompressor,
+    "w8a8_int8": build_w8a8_int8,
 }

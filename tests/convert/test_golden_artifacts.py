@@ -42,7 +42,10 @@ VOLATILE = ("created_at", "kiln_version")
 # Recorded before the structure refactor: case -> (artifact id, sha256 of each file but the manifest,
 # sha256 of the canonical manifest). Re-recorded once since, for artifact revision 2 (config.json
 # carries Kiln's quantization config, runtime/artifact/hf_config.py): ids, config.json and manifests
-# changed, every rank file hashed as before.
+# changed, every rank file hashed as before. Re-recorded for the int8 W8A8 kernels (int8_w8a8,
+# cpu_w8a8): every manifest lists them where they were tried and rejected; ct-int8-cpu declares
+# dynamic per-token int8 activations, so its layers moved from cpu_int8 to cpu_w8a8 (fp32 scales):
+# its id, config.json and rank file changed; every other rank file and id hashed as before.
 GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
     "awq-sm86": (
         "ka-ac0fa56edf1b0b0109461cbfb47e70b8",
@@ -51,7 +54,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6481a8474360de3ee5ace55228668263b001250f5414866665a7f9aa76bf4575",
         },
-        "d5c35bf15292b5dd777bb21fad46b0df0c21622bc999d40b4a6fa4dca04ef5ee",
+        "c2ee3526bca3e482390a6530f3b073fe43921b9ebf28c9aeb2a6fd9b4fd28a96",
     ),
     "bf16-cpu": (
         "ka-cf13b7df242e17f0ce87b0e6160629e5",
@@ -60,7 +63,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "b7bddbef336678dac4273a3ced9f302da0b6e095043a3320bcfe06a220781b3a",
+        "e66f132ea3402947b47bac88cc07e77cc1e5280a55e7e0a73867bd30267ff3fe",
     ),
     "bf16-online-fp8-block-sm90": (
         "ka-688bb92963cc77683ec180159a0a5536",
@@ -69,7 +72,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "21eaf5bc2dcdcceaf6dbdc1c47e4cef46326eaaf7cbba49d13655f0c3c2aa0e6",
+        "0bff195a4a2425cc4c966f7f8369cf4ac0aa01f6bc550ac7f820046d5d52c6c1",
     ),
     "bf16-online-fp8-channel-cpu-tp2": (
         "ka-c465615c11b05c2584d506abb3769ece",
@@ -79,7 +82,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "b74a3d5b4d9aedbdc43647fca956507633cb6c1ebf5d0e33f73bd20d7b316204",
+        "0cacaa08d507f3357ef39e5ee88bf89e9a6dca7900f16073e64b80472180ba61",
     ),
     "ct-fp8-channel-sm90": (
         "ka-977641b5c6484e4f118257781f6b0f43",
@@ -88,16 +91,16 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ae4d4f0f866d28f8d2feb7e68131c1ff61333a6e0288960c12649495f6c44cb7",
         },
-        "7cb296f3b329c0a203e85a4e10a69fa344efe1357e4300bb8a3a505a1647bc35",
+        "1d625456162b330ddd405a44bbdb0cc6955bf110c30f7bcd651f7fda507053f7",
     ),
     "ct-int8-cpu": (
-        "ka-892c8730c42848d5be1cb62615e7d2cf",
+        "ka-fd4b8b37f02ee15c87bfb75425ddab3f",
         {
-            "config.json": "f6fb66f05b98d9a865b1951e6f3fa3253e162c190c2ca65041903b111b0ba30e",
+            "config.json": "dcf9ebefad2214bf9d726d1c87c232de172ee13ecb6ab865e2205cd0cca38ca9",
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
-            "rank0.safetensors": "6f0fe3c35dd2a4561e509f9b9c6b4ce79d22e21c1b7219aae7da4a340ca16501",
+            "rank0.safetensors": "1f84b41adcec155ae35734536612c7f30d8f9e3c074d93e9406ac8b0fd898ccb",
         },
-        "c68cc390c1e05b292d311f0f413bff3339be30500e1bf576b82ad0ea0c4c1e45",
+        "170d7235adff4b7dae50f7596992013b98d285a5f9688145c06586aa7b9cb43f",
     ),
     "ct-w8a16-sm90": (
         "ka-45af177d9859d6543090386a710ee3d2",
@@ -106,7 +109,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "c1c34b84965ec46ae617135477557988d1306ae9fab0a875eeab316ce3763e47",
         },
-        "5ec8b99249d5559876dffc66ee1943d7647a0f1a81596893ef90147dda38653b",
+        "c9832df39e714dc646ef7b944de860e57a12d40b50fb615964c3460d9ec5b33c",
     ),
     "fp8-block-sm89": (
         "ka-01f6a58482df1c3488687267d19921c3",
@@ -115,7 +118,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "68d398ff19ea9952995b53414e32c5edce4464f58e23e6e08e899b35c1ed06d8",
+        "be622dc127d84502248dac18c951844733891a91ae3f66c7d4e0a3826f597cff",
     ),
     "fp8-tensor-cpu": (
         "ka-b3e9e1e303c1f0a9501905f5b6204959",
@@ -124,7 +127,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "34280cb396c0f220deba86a9075a34bebfb60563044bcf607c5b667e65b10978",
+        "c28b8f17b065eeaefe4623a1ac94c4d976e78fa9c16d13c488bcb683d959a552",
     ),
     "fp8-tensor-sm80": (
         "ka-5b4ab84727511955b97b6ebdb7e43ace",
@@ -133,7 +136,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ef331ab737201ee823a3916d9ec31cac4a8c35b73407ee78149a702b23eeb79f",
         },
-        "aa3012589b0390efaf76ecc92131b9ae4200ed574328e1f465e0c533a459fd7e",
+        "7629c1527c90afd7f489d90352814c670bba097cf91c605e3556b7b1df4e93ad",
     ),
     "gptq-actorder-sm80": (
         "ka-7594563bb9504ece340365b974e4d1fc",
@@ -142,7 +145,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "97efe509531b44176bb120c250e281dc33564f906c79f73f77636e9ef374cc75",
         },
-        "d73c54c6397de2da5f6c4e34330c644e78c8d6a46575ae8c9fb51a6bb26b757b",
+        "93251bc91e2292c9ded9a93cc87458379c430319eaded5186db28ffc78ef0014",
     ),
     "gptq-asym-sm75": (
         "ka-e7b0f7d16cbfcc22dfec9272ed9106fd",
@@ -161,7 +164,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "67d852d990fc557d5fb0121315ad6c38f5d9cc8caff0323513ac9e23a0ae7730",
             "rank1.safetensors": "1e87616a71da745e4da9a90701d652a3b386f8f50102ddfb1cf7c433668b522e",
         },
-        "52e0171e3394b4e645aa0df9b41ef90299fc91544cc1db5ffb7fd6c7e555c347",
+        "5d935d5bdb4eba22dd36a41ba3996defc8145fd5d5f8dfab6fa70ef8e0530794",
     ),
 }
 

@@ -33,7 +33,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "ct-w4a16-actorder": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
     "ct-w8a16": {"sm80": "marlin_wna16", "sm90": "marlin_wna16"},
     "ct-fp8-channel": {"sm80": "fp8_marlin", "sm90": "fp8_w8a8", "cpu": "cpu_fp8"},
-    "ct-int8": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int8"},
+    "ct-int8": {"sm80": "int8_w8a8", "sm90": "int8_w8a8", "cpu": "cpu_w8a8"},  # declares int8 activations
     "fp8-tensor": {"sm80": "fp8_marlin", "sm90": "fp8_w8a8", "cpu": "cpu_fp8"},
     "bf16": {"sm80": "dense", "sm90": "dense", "cpu": "dense"},
 }
@@ -182,3 +182,28 @@ def test_static_activation_scales_are_dropped_with_a_note(tmp_path: Path) -> Non
     assert not any(n.endswith("input_scale") for n in p.other_tensors)
     assert any("input_scale" in n for n in p.notes) and any("activation_scheme static" in n for n in p.notes)
     assert {r.kernel for r in p.rows if r.layer != "lm_head"} == {"fp8_w8a8"}
+
+
+@pytest.mark.parametrize(
+    ("acts", "kernel", "note"),
+    [
+        ({"dynamic": True, "strategy": "token", "symmetric": True}, "cpu_w8a8", None),
+        ({"dynamic": False, "strategy": "tensor", "symmetric": True}, "cpu_int8", "strategy tensor, static"),
+        ({"dynamic": True, "strategy": "token", "symmetric": False}, "cpu_int8", "asymmetric"),
+    ],
+)
+def test_int8_activations_run_as_declared_or_as_w8a16_with_a_note(
+    tmp_path: Path, acts: dict[str, object], kernel: str, note: str | None
+) -> None:
+    path = write_checkpoint(tmp_path / "ct", "ct-int8")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(acts)
+    (path / "config.json").write_text(json.dumps(cfg))
+    p = plan(str(path), "cpu")
+    rows = [r for r in p.rows if r.layer.startswith(DECODER)]
+    assert {r.kernel for r in rows} == {kernel}
+    w8a16_notes = [n for n in p.notes if "W8A16" in n]
+    if note is None:
+        assert not w8a16_notes and all("int8 activations" in r.scheme for r in rows)
+    else:
+        assert len(w8a16_notes) == 1 and note in w8a16_notes[0] and "group_0" in w8a16_notes[0]

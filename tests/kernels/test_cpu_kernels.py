@@ -1,4 +1,5 @@
-"""CPU kernels (cpu_int4, cpu_int8, cpu_fp8) and the dense kernel: layouts exact, GEMMs vs the fp32 twin."""
+"""CPU kernels (cpu_int4, cpu_int8, cpu_w8a8, cpu_fp8) and the dense kernel: layouts exact, GEMMs vs
+the fp32 twin."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
+from kernels.codecs.int8 import MIN_AMAX, quantize_per_token_int8
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import (
     PACK_FORMATS,
@@ -24,6 +26,7 @@ from kernels.cpu_int4 import (
     unpack_int4,
 )
 from kernels.cpu_int8 import DEQUANT_MIN_M, CpuInt8Kernel
+from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.dense import GPU_QUANTIZED_REASON, DenseKernel
 from kernels.errors import LayoutError
 from tests.helpers.numerics import rel_err
@@ -323,6 +326,26 @@ def test_int8_apply_matches_reference(n: int, k: int) -> None:
     assert rel_err(kernel.apply(x, tensors, spec), kernel.reference(x, tensors, spec)) < BF16_GEMM_REL_ERR
 
 
+@pytest.mark.parametrize("offset", [8, 40])
+def test_int8_takes_a_weight_mapped_at_an_8_byte_offset(offset: int) -> None:
+    """An artifact's rank file aligns tensors to 8 bytes; torch's op segfaults from 4 rows on when the
+    weight is not 16-byte aligned, so the kernel must never hand it one."""
+    kernel, n, k = CpuInt8Kernel(), 192, 576
+    w = int_weight(n, k, bits=8, group_size=-1)
+    spec = int_spec(w)
+    tensors = kernel.prepare(w, spec, Target.CPU)
+    buf = torch.empty(n * k + 64 + offset, dtype=torch.int8)
+    start = (-buf.data_ptr()) % 64 + offset
+    mapped = buf[start : start + n * k].view(n, k)
+    mapped.copy_(tensors["qweight"])
+    assert mapped.data_ptr() % 16 == 8
+    tensors = {**tensors, "qweight": mapped}
+    x = torch.randn(5, k).to(torch.bfloat16)
+    ref = kernel.reference(x, tensors, spec)
+    assert rel_err(kernel.apply(x, tensors, spec), ref) < BF16_GEMM_REL_ERR
+    assert rel_err(kernel.bind_apply(tensors, spec)(x), ref) < BF16_GEMM_REL_ERR
+
+
 def test_int8_layout_is_code_minus_128_and_exact() -> None:
     w = int_weight(64, 96, bits=8, group_size=-1)
     spec = int_spec(w)
@@ -352,6 +375,63 @@ def test_int8_prepare_rejects_asymmetric_zero_points() -> None:
     w = int_weight(64, 96, bits=8, group_size=-1, symmetric=False)
     with pytest.raises(LayoutError, match="asymmetric"):
         CpuInt8Kernel().prepare(w, int_spec(w), Target.CPU)
+
+
+# ----------------------------------------------------------------------------------------------
+# cpu_w8a8
+# ----------------------------------------------------------------------------------------------
+
+# cpu_w8a8 vs its twin: the int32 accumulator is exact and both quantize activations identically, so
+# only the fp32 epilogue's order and the bf16 output rounding (half an ulp, 2^-9) remain.
+W8A8_TWIN_REL_ERR = 2.0**-8
+# against unquantized activations: a rounding step of amax / 127.5 per token row.
+W8A8_ACT_QUANT_REL_ERR = 2e-2
+
+
+def w8a8_case(
+    n: int, k: int, **kw: object
+) -> tuple[CpuW8A8Kernel, dict[str, torch.Tensor], LinearSpec, IntWeight]:
+    w = int_weight(n, k, bits=8, group_size=-1, **kw)  # type: ignore[arg-type]
+    spec = int_spec(w, int8_activations=True)
+    kernel = CpuW8A8Kernel()
+    assert kernel.can_implement(spec, Target.CPU) == (True, "")
+    return kernel, kernel.prepare(w, spec, Target.CPU), spec, w
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_w8a8_apply_matches_reference_and_unquantized_activations(n: int, k: int) -> None:
+    kernel, tensors, spec, w = w8a8_case(n, k)
+    check_apply(kernel, tensors, spec, W8A8_TWIN_REL_ERR)
+    x = torch.randn(2, 5, k).to(torch.bfloat16)  # batched leading dims
+    y = kernel.apply(x, tensors, spec)
+    assert y.shape == (2, 5, n)
+    expected = x.float() @ w.dequantize().T + w.bias.float()  # type: ignore[union-attr]
+    assert rel_err(y, expected) < W8A8_ACT_QUANT_REL_ERR
+    assert kernel.apply(x[:0, :0], tensors, spec).shape == (0, 0, n)
+
+
+def test_w8a8_layout_is_cpu_int8s_with_exact_fp32_scales() -> None:
+    kernel, tensors, spec, w = w8a8_case(64, 96, scale_dtype=torch.float32)
+    assert tensors["scales"].dtype == torch.float32
+    assert torch.equal(tensors["qweight"], CpuInt8Kernel().prepare(w, spec, Target.CPU)["qweight"])
+    assert torch.equal(kernel.dequantize(tensors, spec), w.dequantize())  # fp32 scales: nothing rounds
+
+
+def test_per_token_int8_quantization_follows_compressed_tensors() -> None:
+    """scale = amax / 127.5, halves round to even, the top half-step clamps to 127; zero rows stay 0."""
+    x = torch.tensor([[127.5, -127.5, 0.5, 1.5, -2.5, 0.0], [0.0] * 6])
+    q, s = quantize_per_token_int8(x)
+    assert torch.equal(s, torch.tensor([127.5, MIN_AMAX]).div(127.5))
+    assert q.dtype == torch.int8
+    assert q.tolist() == [[127, -128, 0, 2, -2, 0], [0] * 6]
+
+
+def test_w8a8_only_takes_layers_calibrated_for_int8_activations() -> None:
+    w = int_weight(192, 576, bits=8, group_size=-1)
+    ok, why = CpuW8A8Kernel().can_implement(int_spec(w), Target.CPU)
+    assert not ok and "int8 activations" in why
+    ok, why = CpuW8A8Kernel().can_implement(int_spec(w, int8_activations=True), Target.SM80)
+    assert not ok and "cpu target only" in why
 
 
 # ----------------------------------------------------------------------------------------------

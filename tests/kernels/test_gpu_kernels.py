@@ -1,4 +1,4 @@
-"""The four GPU kernels (marlin_wna16, gptq_wna16, fp8_w8a8, fp8_marlin) on CPU through the Triton
+"""The GPU kernels (marlin_wna16, gptq_wna16, fp8_w8a8, int8_w8a8, fp8_marlin) on CPU through the Triton
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1): layouts exact, apply against its torch
 twin, and can_implement refusals. Shapes are small; the CUDA repeats live in test_gpu_kernels_cuda.py.
 """
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import triton_utils
+from kernels import fp8_w8a8, triton_utils
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
 from tests.helpers.numerics import rel_err
@@ -24,6 +24,9 @@ GEMM_REL_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 # fp8_w8a8 against unquantized fp32 activations: per-token e4m3 activation rounding (3 mantissa bits,
 # relative error <= 2^-4 per element, averaging down over K).
 FP8_ACT_QUANT_REL_TOL = 6e-2
+# int8_w8a8 against unquantized fp32 activations: a rounding step of amax / 127.5 per token (Gaussian
+# rows: ≈ 2.6 sigma / 127.5, uniform error, averaging down over K).
+INT8_ACT_QUANT_REL_TOL = 2e-2
 # FP8 scales cast to the act dtype (fp8_marlin): per-element relative error <= half an ulp.
 FP8_SCALE_CAST_REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -39,6 +42,7 @@ class IntCase:
     group_size: int
     symmetric: bool = True
     act_order: bool = False
+    int8_activations: bool = False
 
     def spec(self, dtype: torch.dtype, *, k_full: int = 0, row_parallel: bool = False) -> LinearSpec:
         return LinearSpec(
@@ -54,6 +58,7 @@ class IntCase:
             row_parallel=row_parallel,
             has_bias=True,
             act_dtype=DTYPE_NAMES[dtype],
+            int8_activations=self.int8_activations,
         )
 
     def weight(self, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> IntWeight:
@@ -152,6 +157,10 @@ FP8_W8A8_CASES = [
     Fp8Case(192, 384, "channel"),
     Fp8Case(96, 272, "tensor"),
 ]
+INT8_W8A8_CASES = [
+    IntCase(128, 256, 8, -1, int8_activations=True),
+    IntCase(96, 272, 8, -1, int8_activations=True),  # K not a multiple of the 128-wide K tile
+]
 FP8_MARLIN_CASES = [
     Fp8Case(128, 256, "tensor", shard_sizes=(64, 32, 32)),
     Fp8Case(192, 384, "channel"),
@@ -172,6 +181,7 @@ def gemm_params() -> list[Any]:
         ("gptq_wna16", GPTQ_CASES),
         ("marlin_wna16", MARLIN_CASES),
         ("fp8_w8a8", FP8_W8A8_CASES),
+        ("int8_w8a8", INT8_W8A8_CASES),
         ("fp8_marlin", FP8_MARLIN_CASES),
     ):
         for i, case in enumerate(cases):
@@ -227,11 +237,39 @@ def test_fp8_per_token_quant_bytes_match_torch() -> None:
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_int8_w8a8_close_to_unquantized_activations() -> None:
+    """Per-token int8 activations (a step of amax / 127.5 per token) against fp32 activations."""
+    k, tensors, spec, w = prepared("int8_w8a8", INT8_W8A8_CASES[0], torch.bfloat16)
+    x = torch.randn(16, spec.k).to(torch.bfloat16)
+    expected = x.float() @ w.dequantize().T + w.bias.float()
+    assert rel_err(k.apply(x, tensors, spec), expected) < INT8_ACT_QUANT_REL_TOL
+
+
+def test_int8_per_token_quant_bytes_match_torch() -> None:
+    from kernels.codecs.int8 import quantize_per_token_int8
+    from kernels.int8_w8a8 import quantize_per_token
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 1.0, 0.0])[:, None]
+    x[1, :4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * x[1].abs().max() / 127.5  # halves: to even
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        q, s = quantize_per_token(xd)
+        q_ref, s_ref = quantize_per_token_int8(xd)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q, q_ref)
+    assert torch.equal(q_ref[5], torch.zeros(200, dtype=torch.int8))  # an all-zero row stays zero
+
+
 def test_split_k_and_batched_input() -> None:
     from kernels.fp8_marlin import fp8_marlin_gemm
     from kernels.fp8_w8a8 import fp8_w8a8_gemm
     from kernels.gptq_wna16 import gptq_wna16_gemm
+    from kernels.int8_w8a8 import quantize_per_token as int8_quantize
     from kernels.marlin_wna16 import marlin_wna16_gemm
+
+    def int8_gemm(x: torch.Tensor, tensors: dict, spec: LinearSpec, cfg: Any) -> torch.Tensor:
+        return fp8_w8a8.token_scaled_gemm(x, int8_quantize, tensors, spec, cfg, kernel="int8_w8a8")
 
     cfg = triton_utils.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
     dtype = torch.float16
@@ -239,6 +277,7 @@ def test_split_k_and_batched_input() -> None:
         ("gptq_wna16", GPTQ_CASES[1], gptq_wna16_gemm),
         ("marlin_wna16", MARLIN_CASES[1], marlin_wna16_gemm),
         ("fp8_w8a8", FP8_W8A8_CASES[0], fp8_w8a8_gemm),
+        ("int8_w8a8", INT8_W8A8_CASES[1], int8_gemm),
         ("fp8_marlin", FP8_MARLIN_CASES[2], fp8_marlin_gemm),
     ):
         k, tensors, spec, _ = prepared(name, case, dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import shutil
@@ -36,6 +37,7 @@ def spec(
 INT4 = spec()
 INT8_GROUPED = spec(bits=8)
 INT8_CHANNEL = spec(bits=8, group_size=-1)
+INT8_W8A8 = spec(bits=8, group_size=-1, int8_activations=True)  # int8 activations declared
 FP8 = spec("fp8", bits=8, group_size=-1, fp8_strategy="channel")
 DENSE = spec("dense", bits=16, group_size=-1)
 
@@ -54,7 +56,7 @@ def test_every_target_has_a_priority_list_of_known_kernels_ending_in_dense() -> 
         assert set(names) <= set(registry.BUILTIN_KERNELS), target
         assert names[-1] == "dense", target
         assert len(set(names)) == len(names), target
-    assert registry.PRIORITY[Target.CPU] == ("cpu_int4", "cpu_int8", "cpu_fp8", "dense")
+    assert registry.PRIORITY[Target.CPU] == ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8", "dense")
     assert registry.PRIORITY[Target.SM90][0] == "fp8_w8a8"  # fp8 tensor cores first where they exist
     assert "fp8_w8a8" not in registry.PRIORITY[Target.SM80]
     assert "marlin_wna16" not in registry.PRIORITY[Target.SM75]
@@ -72,12 +74,13 @@ def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -
     "layer,chosen,rejected",
     [
         (INT4, "cpu_int4", []),
-        (INT8_CHANNEL, "cpu_int8", ["cpu_int4"]),
-        (FP8, "cpu_fp8", ["cpu_int4", "cpu_int8"]),
-        (DENSE, "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
-        (INT8_GROUPED, "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
-        (spec(n=40), "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),  # N % 16: int4 pack refuses
-        (spec(bits=3), "dense", ["cpu_int4", "cpu_int8", "cpu_fp8"]),
+        (INT8_CHANNEL, "cpu_int8", ["cpu_int4", "cpu_w8a8"]),
+        (INT8_W8A8, "cpu_w8a8", ["cpu_int4"]),
+        (FP8, "cpu_fp8", ["cpu_int4", "cpu_w8a8", "cpu_int8"]),
+        (DENSE, "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
+        (INT8_GROUPED, "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
+        (spec(n=40), "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),  # N % 16: int4 pack refuses
+        (spec(bits=3), "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
     ],
 )
 def test_cpu_choose_first_fit_and_record_rejections(
@@ -120,7 +123,7 @@ def test_disabled_kernels_from_settings_are_skipped_with_a_reason() -> None:
     assert choice.kernel.name == "dense"
     reasons = dict(choice.rejected)
     assert reasons["cpu_int4"] == "disabled by KILN_DISABLED_KERNELS"
-    assert list(reasons) == ["cpu_int4", "cpu_int8", "cpu_fp8"]
+    assert list(reasons) == ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]
 
 
 def test_disabled_kernels_env_var_is_csv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,12 +223,12 @@ def test_plugin_reusing_a_builtin_name_is_refused(
 # Today's priority rows, written out: the derived lists (KERNELS filtered by each kernel's targets)
 # must equal them exactly.
 EXPECTED_PRIORITY = {
-    Target.SM90: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM89: ("fp8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM86: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM80: ("marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM90: ("fp8_w8a8", "int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM89: ("fp8_w8a8", "int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM86: ("int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM80: ("int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
     Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
-    Target.CPU: ("cpu_int4", "cpu_int8", "cpu_fp8", "dense"),
+    Target.CPU: ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8", "dense"),
 }
 THROWAWAY_KERNEL = """
 import torch
@@ -282,3 +285,12 @@ def test_a_new_builtin_kernel_is_one_file_and_one_line(
     assert fresh.choose_kernel(INT4, Target.SM80).kernel.name == "marlin_wna16"
     ok, reason = fresh.get_kernel("throwaway_int").can_implement(INT4, Target.CPU)
     assert not ok and "sm86" in reason
+
+
+def test_int8_activation_layers_run_w8a8_where_a_kernel_can_and_w8a16_elsewhere() -> None:
+    assert registry.choose_kernel(INT8_W8A8, Target.CPU).kernel.name == "cpu_w8a8"
+    assert registry.choose_kernel(INT8_W8A8, Target.CPU, ["cpu_w8a8"]).kernel.name == "cpu_int8"
+    assert registry.choose_kernel(INT8_W8A8, Target.SM80).kernel.name == "int8_w8a8"
+    fp16 = dataclasses.replace(INT8_W8A8, act_dtype="float16")  # sm75 has fp16 tensor cores only
+    sm75 = registry.choose_kernel(fp16, Target.SM75)
+    assert sm75.kernel.name == "gptq_wna16" and "int8_w8a8" not in dict(sm75.rejected)

@@ -154,7 +154,7 @@ def test_greedy_32_tokens_follow_reference(case: Case) -> None:
         )
 
 
-def _record_perplexity(name: str, result: dict[str, Any]) -> None:
+def record_perplexity(name: str, result: dict[str, Any]) -> None:
     from filelock import FileLock
 
     PPL_RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,7 @@ def test_perplexity_on_gpl3(case: Case) -> None:
     result = text_perplexity(runtime_logits_fn(case.loaded), tok, checkpoints.PERPLEXITY_TEXT.read_text())
     low, high = case.ppl_range
     print(f"\nperplexity {case.name} ({case.loaded.manifest.artifact_id}): {result.perplexity:.3f}")
-    _record_perplexity(
+    record_perplexity(
         case.name,
         {
             **result.to_json(),
@@ -225,7 +225,7 @@ def test_llmcompressor_awq_end_to_end(smollm2_bf16: Path) -> None:
         runtime_logits_fn(loaded), loaded.tokenizer, checkpoints.PERPLEXITY_TEXT.read_text()
     )
     print(f"\nperplexity llmcompressor-awq ({loaded.manifest.artifact_id}): {result.perplexity:.3f}")
-    _record_perplexity(
+    record_perplexity(
         "int4-awq-llmcompressor", {**result.to_json(), "artifact_id": loaded.manifest.artifact_id}
     )
     low, high = LLMCOMPRESSOR_AWQ_PPL * (1 - PPL_REL_TOL), LLMCOMPRESSOR_AWQ_PPL * (1 + PPL_REL_TOL)

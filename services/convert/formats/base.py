@@ -27,9 +27,9 @@ Scheme = Literal["int", "fp8", "dense"]
 SUPPORTED_FORMATS_MESSAGE = (
     "Kiln supports: GPTQ (2/4/8-bit, checkpoint_format gptq or gptq_v2, sym/asym, act-order), "
     "AWQ-GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16/W8A16 (sym/asym, "
-    "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8, Fp8Config FP8 "
-    "(per-tensor or block), and unquantized bf16/fp16/fp32 checkpoints (optionally quantized to FP8 "
-    "online with --method fp8)"
+    "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8 (W8A16, or W8A8 "
+    "with dynamic per-token int8 activations), Fp8Config FP8 (per-tensor or block), and unquantized "
+    "bf16/fp16/fp32 checkpoints (optionally quantized to FP8 online with --method fp8)"
 )
 
 
@@ -44,6 +44,7 @@ class LayerQuant:
     act_order: bool = False
     fp8_strategy: Literal["tensor", "channel", "block"] | None = None
     block_size: tuple[int, int] | None = None
+    int8_activations: bool = False  # the checkpoint declares dynamic per-token symmetric int8 inputs
 
     def describe(self) -> str:
         if self.scheme == "dense":
@@ -55,6 +56,8 @@ class LayerQuant:
         parts = [f"int{self.bits}", g, "sym" if self.symmetric else "asym"]
         if self.act_order:
             parts.append("act-order")
+        if self.int8_activations:
+            parts.append("int8 activations")
         return " ".join(parts)
 
 

@@ -2,10 +2,12 @@
 
 Supported schemes: pack-quantized int 4/8-bit weight-only (group/channel, sym/asym, actorder
 "group"), float-quantized FP8 weights (tensor/channel/block; activation settings are dropped, the
-kernels quantize activations dynamically) and int-quantized / naive-quantized int8 weights (run as
-W8A16). `ignore` entries are exact names or `re:` regexes (re.match); `targets` match a module by
-exact name, `re:` regex, or a vLLM layer class name containing the target (so "Linear" matches every
-projection but not lm_head, whose class is ParallelLMHead).
+kernels quantize activations dynamically) and int-quantized / naive-quantized int8 weights: W8A8 with
+dynamic per-token symmetric int8 activations where the config declares them (SmoothQuant-style W8A8;
+weight-only kernels run such layers as W8A16), else W8A16. `ignore` entries are exact names or
+`re:` regexes (re.match); `targets` match a module by exact name, `re:` regex, or a vLLM layer class
+name containing the target (so "Linear" matches every projection but not lm_head, whose class is
+ParallelLMHead).
 """
 
 from __future__ import annotations
@@ -175,10 +177,28 @@ class CompressedTensorsFormat(CheckpointFormat):
         if g.format in (INT, NAIVE) and typ == "int" and bits == 8:
             if strategy not in ("tensor", "channel", "group"):
                 raise unsupported
-            if g.input_activations:
-                self.notes.append(f"group {g.name}: int8 activations are dropped (run as W8A16)")
-            return LayerQuant("int", bits=8, group_size=gs, symmetric=sym)
+            return LayerQuant("int", bits=8, group_size=gs, symmetric=sym, int8_activations=self._w8a8(g))
         raise unsupported
+
+    def _w8a8(self, g: _Group) -> bool:
+        """Whether the group's int8 activations can run as declared: dynamic, per token, symmetric
+        int8 (SmoothQuant-style W8A8). Other activation schemes run as W8A16, said in a plan note."""
+        acts = g.input_activations
+        if not acts:
+            return False
+        where = f"compressed-tensors config_groups.{g.name}.input_activations"
+        kind = (
+            f"{acts.get('type', 'int')}{cfg_int(acts, 'num_bits', where, 8)}, "
+            f"strategy {_strategy(acts, where)}, {'dynamic' if acts.get('dynamic') else 'static'}, "
+            f"{'symmetric' if acts.get('symmetric', True) else 'asymmetric'}"
+        )
+        usable = kind == "int8, strategy token, dynamic, symmetric"
+        if not usable:
+            self.notes.append(
+                f"group {g.name}: activations ({kind}) run unquantized as W8A16; only dynamic per-token "
+                "symmetric int8 activations run as W8A8"
+            )
+        return usable
 
     def _group_for(self, module: str, layout: LinearLayout) -> _Group | None:
         for g in self.groups:
