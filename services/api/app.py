@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from runtime.body_limit import BodySizeLimit
 from services.api.errors import install_handlers
 from services.api.middleware import HttpMetrics
-from services.api.routes import artifacts, conversions, health
+from services.api.routes import artifacts, conversions, health, plans
 from services.settings import ServiceSettings, get_settings
 from services.worker.celery_app import make_celery
 from services.worker.dispatch import CeleryDispatcher, Dispatcher
@@ -62,6 +62,7 @@ def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher |
     app.state.health_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-health")
     app.include_router(conversions.router)
     app.include_router(artifacts.router)
+    app.include_router(plans.router)
     app.include_router(health.router)
     install_handlers(app)
     # Outermost last: metrics see every response, the size limit runs before routing.

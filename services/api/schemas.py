@@ -183,8 +183,59 @@ class ArtifactPage(BaseModel):
     next_cursor: str | None
 
 
+class PlanRejection(BaseModel):
+    kernel: str
+    reason: str
+
+
+class PlanLayer(BaseModel):
+    layer: str = Field(description="Runtime (fused) layer name, e.g. model.layers.0.self_attn.qkv_proj")
+    shards: list[str] = Field(description="Checkpoint modules fused into it")
+    scheme: str
+    kernel: str
+    fallback: bool = Field(description="A kernel ahead of this one would take the scheme at another shape")
+    rejections: list[PlanRejection]
+    n: int = Field(description="Output features per rank")
+    k: int = Field(description="Input features per rank")
+
+
+class ExpectedBytes(BaseModel):
+    per_rank: list[int]
+    total: int
+
+
+class Plan(BaseModel):
+    """What a conversion would do for one target, as `kiln plan --json` prints it."""
+
+    source: str
+    format: str
+    quantization: dict[str, Any] | None
+    target: str
+    tp: int
+    method: str
+    options: dict[str, Any]
+    act_dtype: str
+    architecture: str
+    notes: list[str]
+    layers: list[PlanLayer]
+    other_tensors: list[str]
+    fallbacks: int
+    expected_bytes: ExpectedBytes
+
+
+class PlanSet(BaseModel):
+    plans: list[Plan] = Field(description="One per distinct requested target, in target name order")
+
+
 class Problem(BaseModel):
     detail: str
+
+
+class Unprocessable(BaseModel):
+    """A 422: field errors (FastAPI's list) for an invalid body, or one message for a checkpoint or
+    shape Kiln cannot handle."""
+
+    detail: str | list[dict[str, Any]]
 
 
 class Health(BaseModel):

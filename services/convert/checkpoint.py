@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from services.convert.errors import ConversionError, UnsupportedError
+from services.convert.errors import ConversionError, NotACheckpointError, UnsupportedError
 from services.convert.safetensors_io import (
     DTYPES,
     TensorInfo,
@@ -228,7 +228,7 @@ def open_checkpoint(source: SourceReader) -> Checkpoint:
                 "Convert it to a Hugging Face safetensors checkpoint first (transformers "
                 "from_pretrained(gguf_file=...) then save_pretrained)."
             )
-        raise ConversionError(f"{source.uri} has no config.json: not a Hugging Face checkpoint directory")
+        raise NotACheckpointError(f"{source.uri} has no config.json: not a Hugging Face checkpoint directory")
     config = _read_json(source, "config.json")
     side = {n: _read_json(source, n) for n in QUANT_SIDE_CONFIGS if n in listing}
     if INDEX_NAME in listing:

@@ -101,21 +101,14 @@ def plan_cmd(
     ep: EpOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
-    from services.convert.library import open_and_detect, parse_targets
-    from services.convert.plan import build_plan
+    from services.convert.library import parse_targets, plan_targets
 
     try:
-        from services.settings import get_settings
-
-        settings = get_settings()
         targets = parse_targets(target)
         ranks, expert_parallel = _ranks(tp, ep)
-        ckpt, fmt = open_and_detect(source, settings)
-        plans = [
-            build_plan(ckpt, fmt, t, tp=ranks, method=method, fp8_scheme=fp8_scheme,
-                       disabled_kernels=tuple(settings.disabled_kernels), expert_parallel=expert_parallel)
-            for t in targets
-        ]  # fmt: skip
+        plans = plan_targets(
+            source, targets, tp=ranks, method=method, fp8_scheme=fp8_scheme, expert_parallel=expert_parallel
+        )
     except KilnError as e:
         _fail(e)
         return
@@ -125,6 +118,9 @@ def plan_cmd(
         return
     for p in plans:
         out.print(_plan_table(p))
+        per_rank = p.rank_bytes()
+        ranks = f" ({', '.join(f'{b / 1e6:.1f}' for b in per_rank)} MB per rank)" if len(per_rank) > 1 else ""
+        out.print(f"expected artifact size: {sum(per_rank) / 1e6:.1f} MB{ranks}")
         for note in p.notes:
             out.print(f"[cyan]note:[/] {note}")
         fallbacks = sum(r.fallback for r in p.rows)

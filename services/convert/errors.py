@@ -10,6 +10,10 @@ class ConversionError(KilnError):
     """The checkpoint is malformed or inconsistent (missing tensors, wrong shapes, bad config)."""
 
 
+class NotACheckpointError(ConversionError):
+    """The source exists but holds no Hugging Face checkpoint (no config.json)."""
+
+
 class SourceSafetensorsError(ConversionError, SafetensorsFormatError):
     """A source checkpoint's safetensors file is malformed (both error families apply)."""
 

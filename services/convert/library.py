@@ -92,19 +92,48 @@ def plan(
     settings: ServiceSettings | None = None,
 ) -> Plan:
     target = target if isinstance(target, Target) else Target.parse(target)
-    settings = settings or get_settings()
-    ckpt, fmt = open_and_detect(source, settings)
-    disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
-    return build_plan(
-        ckpt,
-        fmt,
-        target,
+    (result,) = plan_targets(
+        source,
+        [target],
         tp=tp,
         method=method,
         fp8_scheme=fp8_scheme,
-        disabled_kernels=disabled,
+        disabled_kernels=disabled_kernels,
         expert_parallel=expert_parallel,
+        settings=settings,
     )
+    return result
+
+
+def plan_targets(
+    source: str,
+    targets: list[Target],
+    *,
+    tp: int = 1,
+    method: str = "auto",
+    fp8_scheme: str = "tensor",
+    disabled_kernels: tuple[str, ...] | None = None,
+    expert_parallel: bool = False,
+    settings: ServiceSettings | None = None,
+) -> list[Plan]:
+    """One plan per target from one read of the checkpoint's config and headers (`kiln plan`,
+    `POST /v1/plans`); `disabled_kernels` None: the settings' KILN_DISABLED_KERNELS."""
+    settings = settings or get_settings()
+    ckpt, fmt = open_and_detect(source, settings)
+    disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
+    return [
+        build_plan(
+            ckpt,
+            fmt,
+            t,
+            tp=tp,
+            method=method,
+            fp8_scheme=fp8_scheme,
+            disabled_kernels=disabled,
+            expert_parallel=expert_parallel,
+        )
+        for t in targets
+    ]
 
 
 def convert(

@@ -8,10 +8,11 @@ this layer's actual (per-rank) shape, e.g. Marlin's N % 64 / K % 128 rules; the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernels.base import LinearKernel, LinearSpec, ShardSpec, Target
+from kernels.base import LinearKernel, LinearSpec, ShardSpec, StoredTensor, Target
 from kernels.errors import NoKernelError, UnsupportedError
 from kernels.registry import candidates, choose_kernel
 from runtime.model_layout import LinearLayout, ModelConfig, expert_groups, linear_layouts, rank_shape
@@ -92,6 +93,18 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     expert_groups: list[PlannedExperts] = field(default_factory=list)
     expert_parallel: bool = False
+    other_bytes: int = 0  # the other tensors as one rank file stores them
+
+    def rank_bytes(self) -> list[int]:
+        """Tensor bytes of each rank file, from the kernels' declared layouts (optional tensors, such as
+        an act-order permutation that turns out trivial, counted: an upper bound by at most those)."""
+        t = self.target
+        return [
+            self.other_bytes
+            + sum(stored_bytes(pl.kernel.stored_tensors(pl.specs[rank], t)) for pl in self.layers)
+            + sum(stored_bytes(pe.kernel.stored_tensors(pe.specs[rank], t)) for pe in self.expert_groups)
+            for rank in range(self.tp)
+        ]
 
     @property
     def rows(self) -> list[PlanRow]:
@@ -153,7 +166,22 @@ class Plan:
             "layers": [r.to_json() for r in self.rows],
             "other_tensors": self.other_tensors,
             "fallbacks": self.num_fallbacks,
+            "expected_bytes": {"per_rank": (per_rank := self.rank_bytes()), "total": sum(per_rank)},
         }
+
+
+def stored_bytes(tensors: dict[str, StoredTensor]) -> int:
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
+
+
+def other_tensor_bytes(ckpt: Checkpoint, names: list[str], act_dtype: str) -> int:
+    """What the pipeline writes for the other tensors (sm75's fp16 narrows bf16 / fp32 ones)."""
+    total = 0
+    for name in names:
+        info = ckpt.tensors[name]
+        narrowed = act_dtype == "float16" and info.dtype in ("BF16", "F32")
+        total += math.prod(info.shape) * 2 if narrowed else info.nbytes
+    return total
 
 
 def act_dtype_for(model: ModelConfig, target: Target) -> str:
@@ -366,6 +394,7 @@ def build_plan(
         notes=notes,
         expert_groups=groups,
         expert_parallel=expert_parallel,
+        other_bytes=other_tensor_bytes(ckpt, others, act_dtype),
     )
 
 

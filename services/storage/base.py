@@ -90,7 +90,8 @@ class SourceReader(ABC):
 
     @abstractmethod
     def list(self) -> list[str]:
-        """Every file name under the source, sorted."""
+        """File names under the source, sorted: at least every file directly in it (a checkpoint's
+        config, index, weights and side files). Files in subfolders are read by name."""
 
     @abstractmethod
     def size(self, name: str) -> int: ...

@@ -162,6 +162,13 @@ class LocalStore(ArtifactStore):
         return sorted(staging.iterdir()) if staging.is_dir() else []
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # unreadable entries (e.g. /proc/1/cwd) are not checkpoint files
+        return False
+
+
 class LocalSource(SourceReader):
     """A checkpoint directory on the local filesystem."""
 
@@ -175,11 +182,13 @@ class LocalSource(SourceReader):
         return resolve_inside(self.root, name)
 
     def list(self) -> list[str]:
-        return sorted(
-            p.relative_to(self.root).as_posix()
-            for p in self.root.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.root).parts)
-        )
+        """The visible files directly in the directory: a checkpoint keeps its config, index and weights
+        there, and walking subfolders could mean walking a whole filesystem (source "/")."""
+        try:
+            entries = list(self.root.iterdir())
+        except OSError as e:
+            raise StorageError(f"checkpoint directory {self.root} cannot be listed: {e.strerror}") from e
+        return sorted(p.name for p in entries if not p.name.startswith(".") and _is_file(p))
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()

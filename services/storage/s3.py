@@ -272,17 +272,33 @@ class S3Source(SourceReader):
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
             base = self.prefix + "/" if self.prefix else ""
+            from botocore.exceptions import BotoCoreError, ClientError
+
             sizes: dict[str, int] = {}
             paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
-                for obj in page.get("Contents", []):
-                    name = obj["Key"][len(base) :]
-                    if name and not name.endswith("/"):
-                        sizes[name] = obj["Size"]
+            try:
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
+                    for obj in page.get("Contents", []):
+                        name = obj["Key"][len(base) :]
+                        if name and not name.endswith("/"):
+                            sizes[name] = obj["Size"]
+            except (ClientError, BotoCoreError) as e:  # named for the user, not a traceback
+                raise self._listing_error(e) from e
             if not sizes:
                 raise NotFoundError(f"no objects under {self.uri}: is the checkpoint uploaded there?")
             self._sizes = sizes
         return self._sizes
+
+    def _listing_error(self, err: Exception) -> StorageError:
+        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+        if code == "NoSuchBucket":
+            return NotFoundError(f"{self.uri}: bucket {self.bucket!r} does not exist; check the source URL")
+        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return StorageError(
+                f"{self.uri}: listing the checkpoint was refused ({code}); check the S3 credentials "
+                "(KILN_S3_*) and the bucket policy"
+            )
+        return StorageError(f"{self.uri}: the checkpoint cannot be listed ({code or type(err).__name__})")
 
     def _key(self, name: str) -> str:
         return join_prefix(self.prefix, check_name(name))

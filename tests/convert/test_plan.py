@@ -207,3 +207,29 @@ def test_int8_activations_run_as_declared_or_as_w8a16_with_a_note(
         assert not w8a16_notes and all("int8 activations" in r.scheme for r in rows)
     else:
         assert len(w8a16_notes) == 1 and note in w8a16_notes[0] and "group_0" in w8a16_notes[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "tp"),
+    [
+        ("gptq-w4-v1-sym", "cpu", 1),
+        ("gptq-w4-v2-asym", "sm80", 2),
+        ("fp8-block", "sm75", 1),
+        ("bf16", "cpu", 1),
+    ],
+)
+def test_expected_bytes_are_what_the_conversion_writes(
+    ckpt: Callable[[str], Path], tmp_path: Path, name: str, target: str, tp: int
+) -> None:
+    """The plan's size comes from the kernels' declared layouts; the rank files hold exactly that many
+    tensor bytes (none of these layers has an optional tensor to leave out)."""
+    from services.convert.library import ConversionRequest, convert
+
+    p = plan(str(ckpt(name)), target, tp=tp)
+    expected = p.to_json()["expected_bytes"]
+    assert expected["total"] == sum(expected["per_rank"]) and len(expected["per_rank"]) == tp
+    (result,) = convert(ConversionRequest(str(ckpt(name)), [target], tp=tp, out=str(tmp_path)))
+    for rank, want in enumerate(expected["per_rank"]):
+        raw = (Path(result.uri) / f"rank{rank}.safetensors").read_bytes()
+        header = int.from_bytes(raw[:8], "little")
+        assert len(raw) - 8 - header == want, f"rank {rank}"

@@ -6,13 +6,16 @@ behaviour (auth, validation, limits, idempotency, pagination, cancellation, heal
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from services.api.app import create_app
 from services.settings import ServiceSettings as Settings
+from tests.helpers.synthetic import write_checkpoint
 from tests.services.conftest import create_token, free_port, make_settings
 
 MAX_BODY = 4096
@@ -157,3 +160,42 @@ def test_cors_off_unless_configured(settings: Settings, base_url: str, serve_app
     url = serve_app(create_app(settings.model_copy(update={"cors_origins": ["https://ui.example"]})))
     r = httpx.options(f"{url}/v1/artifacts", headers=origin)
     assert r.headers["access-control-allow-origin"] == "https://ui.example"
+
+
+def test_plans_show_the_conversion_without_queueing_it(
+    client: httpx.Client, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    r = client.post("/v1/plans", json=body(str(tiny_checkpoint), ["sm80", "cpu"]) | {"tp": 2})
+    assert r.status_code == 200, r.text
+    plans = r.json()["plans"]
+    assert [p["target"] for p in plans] == ["cpu", "sm80"] and all(p["tp"] == 2 for p in plans)
+    cpu = plans[0]
+    qkv = next(row for row in cpu["layers"] if row["layer"] == "model.layers.0.self_attn.qkv_proj")
+    assert qkv["kernel"] == "dense" and qkv["shards"][0] == "model.layers.0.self_attn.q_proj"
+    assert all(rej["reason"] for row in cpu["layers"] for rej in row["rejections"])
+    size = cpu["expected_bytes"]
+    assert len(size["per_rank"]) == 2 and size["total"] == sum(size["per_rank"]) > 0
+    assert client.get("/v1/conversions").json()["items"] == []  # nothing queued
+
+    disabled = body(str(tiny_checkpoint), ["cpu"]) | {"options": {"disabled_kernels": ["dense"]}}
+    r = client.post("/v1/plans", json=disabled)
+    assert r.status_code == 422 and "no kernel" in r.json()["detail"] and "dense" in r.json()["detail"]
+
+    gemv = write_checkpoint(tmp_path / "awq-gemv", "awq")
+    config = json.loads((gemv / "config.json").read_text())
+    config["quantization_config"]["version"] = "gemv"
+    (gemv / "config.json").write_text(json.dumps(config))
+    r = client.post("/v1/plans", json=body(str(gemv)))
+    assert r.status_code == 422 and "GEMV" in r.json()["detail"].upper()
+
+    for missing in (str(tmp_path / "nowhere"), "s3://no-such-bucket/model"):
+        r = client.post("/v1/plans", json=body(missing))
+        assert r.status_code == 404 and "does not exist" in r.json()["detail"], r.text
+    r = client.post("/v1/plans", json=body(str(tmp_path)))
+    assert r.status_code == 404 and "config.json" in r.json()["detail"]
+    r = client.post("/v1/plans", json=body("relative/path"))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "source"]
+
+
+def test_plans_need_a_token(base_url: str, tiny_checkpoint: Path) -> None:
+    assert httpx.post(f"{base_url}/v1/plans", json=body(str(tiny_checkpoint))).status_code == 401

@@ -56,7 +56,7 @@ def to_schema(job: Job) -> schemas.Job:
     )
 
 
-def _check_source(source: str, settings: SettingsDep) -> None:
+def check_source(source: str, settings: SettingsDep) -> None:
     allowed = settings.allow_local_sources
     if allowed is None:
         allowed = settings.environment != "production"
@@ -90,7 +90,7 @@ def submit(
 ) -> schemas.Job:
     """Queue a conversion; returns the job (the caller's existing one for a repeated Idempotency-Key
     or an identical request while that job is live or succeeded)."""
-    _check_source(body.source, settings)
+    check_source(body.source, settings)
     sub = repo.submit_job(
         session,
         source=body.source,
