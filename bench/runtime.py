@@ -25,8 +25,8 @@ cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln ser
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
 its Python API decodes one sequence at a time, so its batch-B figure is that sequential rate (no parallel
-slots); vLLM's CPU API server on the GPTQ
-checkpoint with its own kernels, torch.compile'd (its default) and eager, when --vllm-python exists
+slots); vLLM's CPU API server on the GPTQ checkpoint with its own kernels and on the bf16 source
+(--no-vllm-bf16 skips those), torch.compile'd (its default) and eager, when --vllm-python exists
 (`make vllm-venv`; vLLM keeps one of the cores for itself). Kiln and the other libraries use --threads
 threads (default 2; on a busy machine use --threads 1: spinning OpenMP / ggml threads collapse when a
 core is taken away).
@@ -481,6 +481,8 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
             "llama.cpp",
             "vllm-cpu-compiled",
             "vllm-cpu-eager",
+            "vllm-cpu-bf16-compiled",
+            "vllm-cpu-bf16-eager",
         )
         if p in results
     ]
@@ -554,6 +556,12 @@ def main() -> None:
     )
     ap.add_argument("--vllm-checkpoint", help="checkpoint vLLM serves (default: the SmolLM2 GPTQ build)")
     ap.add_argument("--vllm-modes", default="compiled,eager")
+    ap.add_argument(
+        "--vllm-bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also serve the bf16 source with vLLM (rows vllm-cpu-bf16-*)",
+    )
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -617,8 +625,11 @@ def main() -> None:
     ]
     if Path(args.vllm_python).exists():
         vllm_ckpt = args.vllm_checkpoint or _gptq_checkpoint(build=not args.no_build)
+        modes = [m for m in args.vllm_modes.split(",") if m]
         if vllm_ckpt is not None:
-            served_systems += [(f"vllm-cpu-{m}", str(vllm_ckpt)) for m in args.vllm_modes.split(",") if m]
+            served_systems += [(f"vllm-cpu-{m}", str(vllm_ckpt)) for m in modes]
+        if args.vllm_bf16 and source is not None:  # vLLM on the unquantized source, its own bf16 path
+            served_systems += [(f"vllm-cpu-bf16-{m}", str(source)) for m in modes]
     else:
         print(f"vLLM CPU: skipped ({args.vllm_python} missing: make vllm-venv)")
     served_systems = [s for s in served_systems if s[0] not in args.skip]

@@ -24,8 +24,13 @@ def register(app: typer.Typer) -> None:
     register_serve(app)
 
 
+def print_error(e: BaseException) -> None:
+    """One `error: …` line on stderr, never wrapped (logs and grep see the whole message)."""
+    err.print(f"[bold red]error:[/] {' '.join(str(e).split())}", highlight=False, soft_wrap=True)
+
+
 def _fail(e: KilnError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {e}")
+    print_error(e)
     return typer.Exit(code=1)
 
 

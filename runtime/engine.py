@@ -47,6 +47,10 @@ BATCH_SIZE_HISTORY = 4096
 ContextParam = Literal["prompt", "max_tokens"]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's step loop has died: no request can be served (a 503; /health says so)."""
+
+
 class ContextLengthError(InvalidRequestError):
     """The prompt is empty, or it and the tokens to generate do not fit the context: a 400 for the client.
 
@@ -431,6 +435,16 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._driven_here = False
+        self._died: BaseException | None = None  # what ended the step loop, if it did not stop cleanly
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can serve no more requests (its step loop died), or None while it can."""
+        if self._died is not None:
+            return f"the engine's step loop died: {type(self._died).__name__}: {self._died}"
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return "the engine's thread has exited"
+        return None
 
     @property
     def num_running(self) -> int:
@@ -485,6 +499,16 @@ class AsyncEngine:
             self._driven_here = False
 
     def _run(self, keep_running: Callable[[], bool] = lambda: True, poll_s: float = 1.0) -> None:
+        try:
+            self._loop(keep_running, poll_s)
+        except BaseException as e:  # the loop itself failed: fail the requests in flight, say so on /health
+            self._died = e
+            log.critical("the engine's step loop died; /health reports 503", exc_info=True)
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(self.dead or "the engine died"))
+            raise
+
+    def _loop(self, keep_running: Callable[[], bool], poll_s: float) -> None:
         while not self._stop and keep_running():
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=poll_s)
@@ -505,6 +529,8 @@ class AsyncEngine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; leaving early aborts the request."""
+        if (reason := self.dead) is not None:
+            raise EngineDeadError(reason)
         self.start()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)

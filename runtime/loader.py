@@ -261,12 +261,15 @@ def check_layer_tensors(
         raise LoadError(f"{e}; {ARTIFACT_FIX}") from e
 
 
-def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str = "--tp") -> None:
-    """The artifact's TP size against this run's (`flag`: how the user sets it for this host)."""
+def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str | None = None) -> None:
+    """The artifact's TP size against this run's (`flag`: how the user sets it for this host; None
+    for Kiln's own commands, which run one rank)."""
     if manifest.tp != world_size:
+        vllm = f"vllm serve ARTIFACT --load-format kiln --tensor-parallel-size {manifest.tp}"
+        how = f"run with {flag} {manifest.tp}" if flag else f"serve it with `{vllm}`"
         raise LoadError(
             f"artifact was sharded for tp={manifest.tp}; this run has world_size={world_size} — "
-            f"run with {flag} {manifest.tp} or convert with --tp {world_size}"
+            f"{how}, or convert with --tp {world_size}"
         )
     if not 0 <= rank < world_size:
         raise LoadError(f"rank {rank} out of range for world_size {world_size}")

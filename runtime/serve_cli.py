@@ -27,6 +27,11 @@ class KvCacheDtypeChoice(StrEnum):
     fp8 = "fp8"
 
 
+class DeviceChoice(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 VERIFY_HELP = (
     "Hash every file of the artifact (sha256, in parallel) against its manifest before loading. "
     "Without it a local or already-cached artifact is checked for file sizes, headers and tensor "
@@ -50,9 +55,35 @@ def resolve_artifact(artifact: str, cache_dir: Path | None, *, verify: bool = Fa
             raise typer.BadParameter(
                 f"{artifact}: not a directory and not an s3:// URI", param_hint="ARTIFACT"
             )
+        path = artifact_in(path)
     if verify:
         verify_with_progress(path)
     return path
+
+
+def artifact_in(path: Path) -> Path:
+    """`path` when it holds an artifact; the one artifact of an artifact store (`kiln convert --out`'s
+    directory), said on stderr; else a LoadError saying what the directory is and what to pass."""
+    from runtime.artifact.manifest import MANIFEST_NAME
+    from runtime.loader import LoadError
+
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    held = sorted(p.name for p in path.glob("ka-*") if (p / MANIFEST_NAME).is_file())
+    if len(held) == 1:
+        typer.echo(f"{path} is an artifact store holding one artifact: using {path / held[0]}", err=True)
+        return path / held[0]
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise LoadError(
+            f"{path} is an artifact store holding {shown}; pass one of them, e.g. {path / held[0]}"
+        )
+    if (path / "config.json").is_file():
+        raise LoadError(
+            f"{path} is a Hugging Face checkpoint, not a Kiln artifact: convert it first "
+            f"(kiln convert {path} --target cpu --out ./artifacts), then pass the ./artifacts/ka-… it prints"
+        )
+    return path  # the loader names what is missing
 
 
 def serve(
@@ -62,14 +93,16 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name in the API (default: the artifact id).")
     ] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 8,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most sequences decoded together.")] = 8,
     max_model_len: Annotated[
-        int | None, typer.Option(help="Context length (prompt + output); default: the model's.")
+        int | None, typer.Option(min=1, help="Context length (prompt + output); default: the model's.")
     ] = None,
     kv_cache_dtype: Annotated[
         KvCacheDtypeChoice, typer.Option(help="KV cache storage.")
     ] = KvCacheDtypeChoice.auto,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the artifact's target).")] = None,
+    device: Annotated[
+        DeviceChoice | None, typer.Option(help="Where to run (default: the artifact's target).")
+    ] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Where s3:// artifacts are pulled to.")] = None,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
     verify: Annotated[bool, typer.Option(help=VERIFY_HELP)] = False,
@@ -77,6 +110,14 @@ def serve(
         int | None,
         typer.Option(
             min=1, help="Request bodies over this many bytes get 413 (KILN_SERVE_MAX_REQUEST_BYTES)."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require `Authorization: Bearer <key>` on /v1/* (KILN_API_KEY); /health and /metrics "
+            "stay open.",
+            show_default=False,
         ),
     ] = None,
 ) -> None:
@@ -98,7 +139,9 @@ def serve(
         torch.set_num_threads(settings.num_threads)
     try:
         path = resolve_artifact(artifact, cache_dir, verify=verify)
-        loaded = load_model(path, device=device, kv_cache_dtype=kv_cache_dtype.value)
+        loaded = load_model(
+            path, device=device.value if device else None, kv_cache_dtype=kv_cache_dtype.value
+        )
         if loaded.tokenizer is None:
             raise typer.BadParameter(f"{path}: the artifact has no tokenizer", param_hint="ARTIFACT")
         engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
@@ -115,6 +158,7 @@ def serve(
         loaded.tokenizer,
         root=artifact_id,
         max_request_bytes=max_request_bytes or settings.serve_max_request_bytes,
+        api_key=api_key or (settings.api_key.get_secret_value() if settings.api_key else None),
     )
     log.info("serving %s (%s) on http://%s:%d, loaded in %.2f s", name, path, host, port, loaded.load_seconds)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Development credentials shipped in docker-compose.yml / MinIO defaults: refused outside development.
@@ -40,6 +40,8 @@ class RuntimeSettings(BaseSettings):
     # --- serving ---------------------------------------------------------------------------------
     num_threads: int = 0  # 0: torch default
     serve_max_request_bytes: int = Field(default=8 << 20, gt=0)  # `kiln serve` bodies over this: 413
+    # `kiln serve --api-key`: clients send `Authorization: Bearer <key>` on /v1/* (as `vllm serve`)
+    api_key: SecretStr | None = None
 
     def default_secret_offenders(self) -> list[str]:
         """The variables holding a default development secret (subclasses add their own)."""

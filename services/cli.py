@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import typer
 
+from kernels.errors import KilnError
 from runtime.cli import register as register_runtime
 from services.convert.cli import register as register_convert
 from services.ops_cli import register as register_ops
@@ -23,8 +25,14 @@ register_ops(app)
 
 
 def main() -> None:
+    """The `kiln` entry point: a KilnError any command lets through is one line and exit code 1,
+    never a traceback (commands that catch their own say more, e.g. which layer)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app()
+    try:
+        app()
+    except KilnError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ def _is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def ensure_schema_for_api() -> None:
-    """Embedded SQLite: upgrade at start (one command gives a working service). Otherwise refuse to
-    start on an out-of-date schema: migrations are their own step in production."""
+def ensure_schema() -> None:
+    """Embedded SQLite: upgrade first (one command gives a working service or a token). Otherwise
+    refuse an out-of-date schema (`kiln api`, `kiln admin ...`): migrations are their own step in
+    production."""
     from services.db import migrate
 
     settings = get_settings()
@@ -83,7 +84,7 @@ def api(
     from services.api.app import create_app
 
     settings = get_settings()
-    ensure_schema_for_api()
+    ensure_schema()
     if not settings.broker_url and _is_sqlite(settings.resolved_database_url):
         ensure_bootstrap_token()
     console.print(startup_banner(settings, host, port))
@@ -150,6 +151,7 @@ def create_token(
     out: Annotated[Path | None, typer.Option(help="Write the token to this file (0600) too")] = None,
 ) -> None:
     """Create an API token; it is printed once (only its sha256 is stored)."""
+    ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 
@@ -167,6 +169,7 @@ def create_token(
 @admin_app.command("list-tokens")
 def list_tokens() -> None:
     """List API tokens: id, name, admin or not, created, revoked (never the token itself)."""
+    ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 
@@ -188,6 +191,7 @@ def revoke_token(
     ],
 ) -> None:
     """Revoke API tokens at once: later requests with them get 401. Their jobs are kept."""
+    ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.body_limit import BodySizeLimit
 from runtime.engine import AsyncEngine
 from runtime.metrics import CONTENT_TYPE
+from runtime.openai.auth import ApiKeyCheck
 from runtime.openai.chat import create_chat_completion
 from runtime.openai.completions import create_completion
 from runtime.openai.errors import OpenAIError, engine_error
@@ -50,11 +51,14 @@ def build_app(
     root: str | None = None,
     manage_engine: bool = True,
     max_request_bytes: int | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app.
 
     With `manage_engine`, the app's lifespan starts the AsyncEngine's thread and shuts it down at
     exit. Bodies over `max_request_bytes` (default: the setting `serve_max_request_bytes`) get 413.
+    With `api_key`, every /v1/* request must carry `Authorization: Bearer <api_key>` (compared in
+    constant time) or gets 401; /health, /metrics and /version stay open, as with `vllm serve`.
     """
     serving = OpenAIServing(async_engine, served_model_name, tokenizer, max_model_len, root)
 
@@ -81,10 +85,14 @@ def build_app(
             413, message + " (kiln serve --max-request-bytes)", code="request_too_large"
         ).body(),
     )
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
+        if (reason := async_engine.dead) is not None:
+            return OpenAIError(503, reason, type_="server_error", code="engine_dead").response()
         return Response(status_code=200)
 
     @app.get("/version")

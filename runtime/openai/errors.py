@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from runtime.chat import ChatTemplateError
-from runtime.engine import ContextLengthError
+from runtime.engine import ContextLengthError, EngineDeadError
 from runtime.openai.protocol import ErrorInfo, ErrorResponse
 from runtime.sampling import InvalidRequestError
 
@@ -55,6 +55,8 @@ def engine_error(e: Exception) -> OpenAIError:
         return OpenAIError(400, str(e), param="messages", code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(e, InvalidRequestError | ChatTemplateError):
         return OpenAIError(400, str(e))
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), type_="server_error", code="engine_dead")
     log.exception("request failed")
     return OpenAIError(500, f"internal error: {e}", type_="server_error")
 

@@ -24,8 +24,8 @@ from rich.table import Table
 
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
+from runtime.cli import err, print_error
 
-err = Console(stderr=True)
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
 
@@ -54,8 +54,7 @@ def _ranks(tp: int, ep: int | None) -> tuple[int, bool]:
 
 
 def _fail(e: BaseException) -> None:
-    msg = " ".join(str(e).split())
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    print_error(e)
     raise typer.Exit(1)
 
 

@@ -54,13 +54,14 @@ def serve_artifact(
     max_num_seqs: int = 8,
     max_model_len: int = 512,
     tokenizer: Callable[[Any], Any] | None = None,
+    api_key: str | None = None,
 ) -> Iterator[RunningServer]:
     """Serve `artifact` on a loopback port; `tokenizer` may wrap the artifact's tokenizer."""
     loaded = load_model(artifact)
     engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     async_engine = AsyncEngine(engine)
     tok = loaded.tokenizer if tokenizer is None else tokenizer(loaded.tokenizer)
-    app = build_app(async_engine, MODEL_NAME, tok, root=str(artifact))
+    app = build_app(async_engine, MODEL_NAME, tok, root=str(artifact), api_key=api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

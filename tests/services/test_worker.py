@@ -19,7 +19,7 @@ from sqlalchemy import func, select, update
 from runtime.artifact.manifest import Manifest
 from services.db.models import Artifact, ArtifactFile, Job
 from services.db.session import session_scope
-from tests.services.conftest import wait_for_job
+from tests.services.conftest import TEST_VISIBILITY_TIMEOUT_S, WorkerProcess, wait_for_job
 from tests.services.stack import Stack, sha256_bytes
 
 SLOW_LAYER_S = "0.3"  # tiny model: 8 fused layers per target -> ≈3 s per conversion
@@ -117,6 +117,33 @@ def test_kill_9_mid_conversion_is_redelivered_once(
 
     done = wait_for_job(stack.api, job["id"], timeout=90)
     assert done["status"] == "succeeded", (done, stack.worker.log.read_text()[-3000:])
+    assert done["attempts"] == 2
+    assert store.list_ids() == done["artifact_ids"] and len(done["artifact_ids"]) == 1
+    assert store.staging_keys() == []
+    assert _sql_counts(stack)[0] == 1
+
+
+def test_whole_worker_killed_mid_conversion_is_redelivered_to_a_new_worker(
+    make_stack: Callable[..., Stack], celery_worker: Callable[..., WorkerProcess], tiny_checkpoint: Path
+) -> None:
+    """The node dies: SIGKILL to the worker's main process and its pool child together (nothing acks,
+    nothing cleans up). A worker started afterwards gets the job once the broker's visibility timeout
+    (short here) hands the unacknowledged message out again: one artifact, nothing staged left."""
+    stack = make_stack(KILN_CONVERT_LAYER_DELAY_S=SLOW_LAYER_S)
+    store = stack.store()
+    source = stack.upload_checkpoint(tiny_checkpoint, "tiny-node-loss")
+    job = _submit(stack, source, ["cpu"])
+    running = _wait_running(stack, job["id"], 1)
+    assert running["status"] == "running", running
+    pids = [stack.worker.proc.pid, *stack.worker.child_pids()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    stack.worker.proc.wait(timeout=10)
+    assert store.list_ids() == []
+
+    replacement = celery_worker(KILN_CONVERT_LAYER_DELAY_S=SLOW_LAYER_S)
+    done = wait_for_job(stack.api, job["id"], timeout=TEST_VISIBILITY_TIMEOUT_S + 90)
+    assert done["status"] == "succeeded", (done, replacement.log.read_text()[-3000:])
     assert done["attempts"] == 2
     assert store.list_ids() == done["artifact_ids"] and len(done["artifact_ids"]) == 1
     assert store.staging_keys() == []

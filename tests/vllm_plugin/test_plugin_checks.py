@@ -46,7 +46,7 @@ def test_a_gpu_artifact_is_refused_on_cpu_naming_the_target_to_convert_for(tmp_p
 
 def test_a_tp_mismatch_is_refused_naming_the_flag(tmp_path: Path) -> None:
     artifact = _convert(tmp_path, "dense", "cpu", tp=2)
-    with pytest.raises(LoadError, match=r"--tensor-parallel-size 2 or convert with --tp 1"):
+    with pytest.raises(LoadError, match=r"--tensor-parallel-size 2, or convert with --tp 1"):
         open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
 
 
