@@ -488,6 +488,11 @@ class AsyncEngine:
         except RuntimeError:  # the consumer's loop is closed
             self._streams.pop(request_id, None)
 
+    def claim_for_caller(self) -> None:
+        """Promise that the caller will `run_here()`: until then `start()` (the app's lifespan, a
+        request) must not start a second stepping thread. Call it before the server starts."""
+        self._driven_here = True
+
     def run_here(self, keep_running: Callable[[], bool] = lambda: True, poll_s: float = 0.2) -> None:
         """Drive the engine from the calling thread until `shutdown()` or until `keep_running()`
         (checked at least every `poll_s` seconds) turns false."""

@@ -186,6 +186,9 @@ def run_beside_engine(server: uvicorn.Server, async_engine: AsyncEngine) -> bool
         server.should_exit = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # The server's lifespan and first requests may come before this thread reaches run_here: they
+    # must not start the engine on a thread of their own.
+    async_engine.claim_for_caller()
     try:
         http.start()
         async_engine.run_here(keep_running=http.is_alive)
