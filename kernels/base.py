@@ -329,6 +329,25 @@ class LinearKernel(ABC):
         return y.to(x.dtype)
 
 
+TokenQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def token_quantized_reference(
+    kernel: LinearKernel,
+    quantize: TokenQuantizer,
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: LinearSpec,
+) -> torch.Tensor:
+    """The twin of a kernel that quantizes activations per token (W8A8): `quantize` (M, K) ->
+    (q, scale (M,)) exactly as the kernel does, then the dequantized weight in an fp32 matmul."""
+    q, s = quantize(x.reshape(-1, spec.k))
+    y = (q.float() * s[:, None]) @ kernel.dequantize(tensors, spec).to(x.device).T
+    if "bias" in tensors:
+        y = y + tensors["bias"].float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+
+
 @dataclass
 class KernelChoice:
     """The registry's answer for one layer: the kernel and why the others were skipped."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import LinearSpec, Target
+from kernels.base import LinearSpec, Target, token_quantized_reference
 from kernels.codecs.int8 import quantize_per_token_int8
 from kernels.cpu_int8 import CpuInt8Kernel
 
@@ -62,8 +62,4 @@ class CpuW8A8Kernel(CpuInt8Kernel):
 
     def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Torch twin: the same per-token activation quantization, dequantized weight, fp32 matmul."""
-        xq, xs = quantize_per_token_int8(x.reshape(-1, spec.k))
-        y = (xq.float() * xs[:, None]) @ self.dequantize(tensors, spec).T
-        if "bias" in tensors:
-            y = y + tensors["bias"].float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+        return token_quantized_reference(self, quantize_per_token_int8, x, tensors, spec)

@@ -24,7 +24,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import (
+    Fp8Weight,
+    LinearKernel,
+    LinearSpec,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    token_quantized_reference,
+    with_bias,
+)
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
 from kernels.targets import gpu_targets
@@ -108,11 +117,7 @@ class Fp8W8A8Kernel(LinearKernel):
 
     def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Torch twin: per-token fp8 activation quantization, dequantized weight, fp32 matmul."""
-        q, s = quantize_per_token_reference(x.reshape(-1, spec.k))
-        y = (q.float() * s[:, None]) @ self.dequantize(tensors, spec).to(x.device).T
-        if "bias" in tensors:
-            y = y + tensors["bias"].float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+        return token_quantized_reference(self, quantize_per_token_reference, x, tensors, spec)
 
 
 def quantize_per_token_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

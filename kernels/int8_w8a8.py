@@ -24,7 +24,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import (
+    LinearKernel,
+    LinearSpec,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    token_quantized_reference,
+    with_bias,
+)
 from kernels.codecs.int8 import (
     INT8_MAX,
     MIN_AMAX,
@@ -86,11 +94,7 @@ class Int8W8A8Kernel(LinearKernel):
 
     def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Torch twin: per-token int8 activation quantization, dequantized weight, fp32 matmul."""
-        q, s = quantize_per_token_int8(x.reshape(-1, spec.k))
-        y = (q.float() * s[:, None]) @ self.dequantize(tensors, spec).to(x.device).T
-        if "bias" in tensors:
-            y = y + tensors["bias"].float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
+        return token_quantized_reference(self, quantize_per_token_int8, x, tensors, spec)
 
 
 def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
