@@ -83,22 +83,28 @@ class CpuInt8Kernel(LinearKernel):
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        bound = {**tensors, "qweight": op_aligned(tensors["qweight"])}  # aligned once, not per call
-        apply = self.apply
-        return lambda x: apply(x, bound, spec)
+        qweight = op_aligned(tensors["qweight"])  # once, not per call
+        gemm = self._gemm
+        return lambda x: gemm(x, qweight, tensors, spec)
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return tensors["qweight"].float() * tensors["scales"].float()[:, None]
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return self._gemm(x, op_aligned(tensors["qweight"]), tensors, spec)
+
+    def _gemm(
+        self, x: torch.Tensor, qweight: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> torch.Tensor:
+        """y = x @ W.T (+ bias) with `qweight` already as the op can take it (16-byte aligned)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, spec.k).to(torch.bfloat16).contiguous()
         bias = tensors.get("bias")
         if x2.shape[0] >= DEQUANT_MIN_M:
-            w = tensors["qweight"].to(torch.bfloat16)  # exact: |q| <= 128
+            w = qweight.to(torch.bfloat16)  # exact: |q| <= 128
             y = torch.nn.functional.linear(x2, w).float() * tensors["scales"].float()
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, op_aligned(tensors["qweight"]), tensors["scales"])
+            y = torch.ops.aten._weight_int8pack_mm(x2, qweight, tensors["scales"])
         if bias is not None:
             y = y.float() + bias
         return y.to(x.dtype).reshape(*lead, spec.n)

@@ -215,12 +215,20 @@ def test_apply_matches_reference(name: str, case: Any, dtype: torch.dtype, ms: t
         assert err < GEMM_REL_TOL[dtype], f"M={m}: relative error {err:.2e}"
 
 
-def test_fp8_w8a8_close_to_unquantized_activations() -> None:
-    case = FP8_W8A8_CASES[1]
-    k, tensors, spec, w = prepared("fp8_w8a8", case, torch.bfloat16)
+@pytest.mark.parametrize(
+    ("name", "case", "tol"),
+    [
+        ("fp8_w8a8", FP8_W8A8_CASES[1], FP8_ACT_QUANT_REL_TOL),
+        ("int8_w8a8", INT8_W8A8_CASES[0], INT8_ACT_QUANT_REL_TOL),
+    ],
+)
+def test_w8a8_close_to_unquantized_activations(name: str, case: Any, tol: float) -> None:
+    """Per-token activation quantization (e4m3, or int8 with a step of amax / 127.5) against fp32
+    activations on the same dequantized weight."""
+    k, tensors, spec, w = prepared(name, case, torch.bfloat16)
     x = torch.randn(16, spec.k).to(torch.bfloat16)
     expected = x.float() @ w.dequantize().T + w.bias.float()
-    assert rel_err(k.apply(x, tensors, spec), expected) < FP8_ACT_QUANT_REL_TOL
+    assert rel_err(k.apply(x, tensors, spec), expected) < tol
 
 
 def test_fp8_per_token_quant_bytes_match_torch() -> None:
@@ -235,14 +243,6 @@ def test_fp8_per_token_quant_bytes_match_torch() -> None:
         q_ref, s_ref = quantize_per_token_reference(xd)
         assert torch.equal(s, s_ref)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-
-
-def test_int8_w8a8_close_to_unquantized_activations() -> None:
-    """Per-token int8 activations (a step of amax / 127.5 per token) against fp32 activations."""
-    k, tensors, spec, w = prepared("int8_w8a8", INT8_W8A8_CASES[0], torch.bfloat16)
-    x = torch.randn(16, spec.k).to(torch.bfloat16)
-    expected = x.float() @ w.dequantize().T + w.bias.float()
-    assert rel_err(k.apply(x, tensors, spec), expected) < INT8_ACT_QUANT_REL_TOL
 
 
 def test_int8_per_token_quant_bytes_match_torch() -> None:
