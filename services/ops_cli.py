@@ -77,6 +77,14 @@ def startup_banner(settings: ServiceSettings, host: str, port: int) -> str:
 def api(
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="API processes, e.g. one per core (needs KILN_BROKER_URL: without a broker, jobs run "
+            "in the one API process)",
+        ),
+    ] = 1,
 ) -> None:
     """Serve the REST API. With no KILN_BROKER_URL, jobs run in worker threads inside this process."""
     import uvicorn
@@ -84,11 +92,23 @@ def api(
     from services.api.app import create_app
 
     settings = get_settings()
+    if workers > 1 and not settings.broker_url:
+        raise typer.BadParameter(
+            "several API processes need a broker (KILN_BROKER_URL): without one, jobs run inside the "
+            "single API process",
+            param_hint="--workers",
+        )
     ensure_schema()
     if not settings.broker_url and _is_sqlite(settings.resolved_database_url):
         ensure_bootstrap_token()
     console.print(startup_banner(settings, host, port))
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
+    if workers > 1:  # each process builds its app (and settings) from the environment
+        uvicorn.run(
+            "services.api.app:create_app", factory=True, workers=workers, host=host, port=port,
+            log_level="info", access_log=False,
+        )  # fmt: skip
+    else:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", access_log=False)
 
 
 def worker(

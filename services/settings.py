@@ -57,6 +57,8 @@ class ServiceSettings(RuntimeSettings):
     # Conversions of server-local paths over the API: None = allowed in development/test only.
     allow_local_sources: bool | None = None
     embedded_workers: int = 1  # worker threads inside `kiln api` when broker_url is empty
+    token_cache_s: float = 2.0  # a valid token is looked up once per this long; revocation lag
+    api_threads: int = Field(default=4, ge=1)  # threadpool of sync routes, per API process
 
     # --- converter ------------------------------------------------------------------------------
     disabled_kernels: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -1,7 +1,6 @@
 """Repository functions: every SQL read and write the API, the worker and the CLI perform.
 
-Functions take a Session inside a transaction (see `session_scope`) and never commit themselves,
-except where a savepoint is needed to survive a unique-constraint race.
+Functions take a Session inside a transaction (see `session_scope`) and never commit themselves.
 """
 
 from __future__ import annotations
@@ -151,42 +150,60 @@ def submit_job(
     idempotency_key: str | None,
     token_id: int | None,
     max_attempts: int,
+    task_id: str | None = None,
 ) -> Submission:
     """Create a queued job, or return the one this request already maps to.
 
     Same Idempotency-Key (per token) -> same job. An identical request from the same token while a
     job for it is queued, running or succeeded -> that job (the unique `dedupe_key` settles
-    concurrent races). Another token's identical request gets its own job.
+    concurrent races). Another token's identical request gets its own job. The common case, a new
+    job, is one `INSERT … ON CONFLICT DO NOTHING RETURNING` (no lookup first, no savepoint).
     """
     digest = request_digest(source, targets, method, tp, options)
-    found = _existing(session, digest, idempotency_key, token_id)
-    if found is not None:
-        return Submission(found, False)
-    job = Job(
-        id=new_job_id(),
-        source=source,
-        targets=sorted(set(targets)),
-        method=method,
-        tp=tp,
-        options=options,
-        request_digest=digest,
-        dedupe_key=owner_dedupe_key(token_id, digest),
-        idempotency_key=idempotency_key,
-        token_id=token_id,
-        max_attempts=max_attempts,
-        status="queued",
-        stage="queued",
-        task_id=None,
-    )
-    try:
-        with session.begin_nested():
-            session.add(job)
-    except IntegrityError:
+    if token_id is None and idempotency_key is not None:
+        # the unique (token_id, idempotency_key) index does not cover a NULL owner
         found = _existing(session, digest, idempotency_key, token_id)
-        if found is None:
-            raise
-        return Submission(found, False)
-    return Submission(job, True)
+        if found is not None:
+            return Submission(found, False)
+    for _ in range(2):  # a conflicting job that ended (and freed its dedupe_key) meanwhile: retry
+        values = {
+            "id": new_job_id(),
+            "source": source,
+            "targets": sorted(set(targets)),
+            "method": method,
+            "tp": tp,
+            "options": options,
+            "request_digest": digest,
+            "dedupe_key": owner_dedupe_key(token_id, digest),
+            "idempotency_key": idempotency_key,
+            "token_id": token_id,
+            "max_attempts": max_attempts,
+            "status": "queued",
+            "stage": "queued",
+            "task_id": task_id,
+        }
+        job = session.scalars(_insert_unless_conflicting(session), [values]).one_or_none()
+        if job is not None:
+            return Submission(job, True)
+        found = _existing(session, digest, idempotency_key, token_id)
+        if found is not None:
+            return Submission(found, False)
+    raise RuntimeError(f"job for {source!r}: conflicting inserts kept racing; submit again")
+
+
+_INSERT_JOB: dict[str, Any] = {}  # by dialect; values travel as parameters (a fixed cache key)
+
+
+def _insert_unless_conflicting(session: Session) -> Any:
+    dialect = session.get_bind().dialect.name
+    stmt = _INSERT_JOB.get(dialect)
+    if stmt is None:
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        stmt = _INSERT_JOB[dialect] = insert(Job).on_conflict_do_nothing().returning(Job)
+    return stmt
 
 
 def set_task_id(session: Session, job_id: str, task_id: str) -> None:

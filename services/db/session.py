@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.settings import ServiceSettings
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
+# One sessionmaker per engine: each sessionmaker builds its own Session subclass, whose event
+# dispatch setup costs more than the query of a status poll.
+_factories: dict[tuple[str, bool], sessionmaker[Session]] = {}
 
 
 def make_engine(url: str) -> Engine:
@@ -28,8 +33,35 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    # pre_ping: a dropped PostgreSQL connection is replaced transparently on checkout.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800)
+    engine = create_engine(url, pool_size=10, max_overflow=20, pool_recycle=1800)
+    _ping_when_idle(engine)
+    return engine
+
+
+IDLE_PING_S = 10.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection on checkout only when it sat idle for IDLE_PING_S: a dropped
+    PostgreSQL connection (server restart, idle kill) is replaced transparently, and a busy API
+    does not pay a round trip per request for it (`pool_pre_ping` pings on every checkout). A
+    connection dropped while in use is invalidated with the whole pool on its first error."""
+
+    @event.listens_for(engine, "checkin")
+    def _stamp(_dbapi_conn, record) -> None:  # type: ignore[no-untyped-def]
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping(dbapi_conn, record, _proxy) -> None:  # type: ignore[no-untyped-def]
+        since = record.info.get("idle_since")
+        if since is None or time.monotonic() - since < IDLE_PING_S:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_conn)
+        except engine.dialect.loaded_dbapi.Error as e:
+            raise DisconnectionError(f"pooled connection is gone: {e}") from e
+        if not alive:
+            raise DisconnectionError("pooled connection did not answer a ping")
 
 
 def get_engine(settings: ServiceSettings) -> Engine:
@@ -51,10 +83,20 @@ def dispose_engines(close: bool = False) -> None:
         for engine in _engines.values():
             engine.dispose(close=close)
         _engines.clear()
+        _factories.clear()
 
 
-def session_factory(settings: ServiceSettings) -> sessionmaker[Session]:
-    return sessionmaker(get_engine(settings), expire_on_commit=False)
+def session_factory(settings: ServiceSettings, *, read_only: bool = False) -> sessionmaker[Session]:
+    """Sessions on the process's engine. `read_only`: its connections run in autocommit (each
+    statement sees what is committed; no BEGIN / COMMIT round trips), for requests that only read."""
+    key = (settings.resolved_database_url, read_only)
+    factory = _factories.get(key)
+    if factory is None:
+        engine = get_engine(settings)
+        bind = engine.execution_options(isolation_level="AUTOCOMMIT") if read_only else engine
+        with _lock:
+            factory = _factories.setdefault(key, sessionmaker(bind, expire_on_commit=False))
+    return factory
 
 
 @contextmanager

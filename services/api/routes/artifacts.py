@@ -9,8 +9,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from services.api import schemas
-from services.api.deps import AdminDep, SessionDep, SettingsDep, StoreDep, TokenDep
+from services.api.deps import AdminDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep, TokenDep
 from services.api.errors import AUTH_RESPONSES, not_found, store_unavailable
+from services.api.responses import json_response
 from services.db import repo
 from services.db.models import Artifact
 from services.redact import redact_text
@@ -50,7 +51,7 @@ def _summary(a: Artifact) -> schemas.ArtifactSummary:
 
 @router.get("", response_model=schemas.ArtifactPage)
 def list_artifacts(
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     _: TokenDep,
     model: Annotated[str | None, Query(max_length=300, pattern=schemas.PRINTABLE_PATTERN)] = None,
@@ -59,7 +60,7 @@ def list_artifacts(
     tp: Annotated[int | None, Query(ge=1, le=64)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(max_length=128, pattern=schemas.ID_PATTERN)] = None,
-) -> schemas.ArtifactPage:
+) -> Response:
     rows, nxt = repo.list_artifacts(
         session,
         limit=min(limit, settings.api_page_size_max),
@@ -69,7 +70,7 @@ def list_artifacts(
         target=target,
         tp=tp,
     )
-    return schemas.ArtifactPage(items=[_summary(a) for a in rows], next_cursor=nxt)
+    return json_response(schemas.ArtifactPage(items=[_summary(a) for a in rows], next_cursor=nxt))
 
 
 @router.get(
@@ -78,8 +79,8 @@ def list_artifacts(
     responses={404: {"model": schemas.Problem}, **STORE_DOWN},
 )
 def get_artifact(
-    artifact_id: ArtifactId, session: SessionDep, settings: SettingsDep, store: StoreDep, _: TokenDep
-) -> schemas.ArtifactDetail:
+    artifact_id: ArtifactId, session: ReadSessionDep, settings: SettingsDep, store: StoreDep, _: TokenDep
+) -> Response:
     a = repo.get_artifact(session, artifact_id)
     if a is None:
         raise not_found("artifact", artifact_id)
@@ -90,13 +91,14 @@ def get_artifact(
         urls = {}
     except STORE_FAULTS as e:
         raise _store_fault(artifact_id, "sign its download URLs", e) from e
-    return schemas.ArtifactDetail(
+    detail = schemas.ArtifactDetail(
         **_summary(a).model_dump(),
         manifest=a.manifest,
         files=[schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files],
         urls=urls,
         urls_expire_in_s=settings.presigned_url_ttl_s,
     )
+    return json_response(detail)
 
 
 @router.delete(

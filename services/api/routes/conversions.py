@@ -8,10 +8,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Response, status
 
 from services.api import schemas
-from services.api.deps import DispatcherDep, SessionDep, SettingsDep, TokenDep
+from services.api.deps import DispatcherDep, ReadSessionDep, SessionDep, SettingsDep, TokenDep
 from services.api.errors import AUTH_RESPONSES, conflict, invalid_field, not_found
+from services.api.responses import json_response
+from services.api.token_cache import Caller
 from services.db import repo
-from services.db.models import ApiToken, Job
+from services.db.models import Job
 from services.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -81,13 +83,12 @@ def check_source(source: str, settings: SettingsDep) -> None:
 )
 def submit(
     body: schemas.ConversionCreate,
-    response: Response,
     session: SessionDep,
     settings: SettingsDep,
     token: TokenDep,
     dispatcher: DispatcherDep,
     idempotency_key: IdempotencyKey = None,
-) -> schemas.Job:
+) -> Response:
     """Queue a conversion; returns the job (the caller's existing one for a repeated Idempotency-Key
     or an identical request while that job is live or succeeded)."""
     check_source(body.source, settings)
@@ -101,10 +102,9 @@ def submit(
         idempotency_key=idempotency_key,
         token_id=token.id,
         max_attempts=settings.max_job_attempts,
+        task_id=dispatcher.new_task_id(),
     )
     job = sub.job
-    if sub.created:
-        job.task_id = dispatcher.new_task_id()
     session.commit()  # the row is durable before any worker can see the id
     if sub.created:
         try:
@@ -112,24 +112,24 @@ def submit(
         except Exception as e:  # the reconciler publishes it once the broker is back
             reason = redact_text(str(e))
             log.warning("job %s: not published to the broker (%s); left for the reconciler", job.id, reason)
-    response.headers["Location"] = f"/v1/conversions/{job.id}"
-    return to_schema(job)
+    location = {"Location": f"/v1/conversions/{job.id}"}
+    return json_response(to_schema(job), status.HTTP_202_ACCEPTED, location)
 
 
-def viewer(token: ApiToken) -> repo.Viewer:
+def viewer(token: Caller) -> repo.Viewer:
     return repo.Viewer(token_id=token.id, is_admin=token.is_admin)
 
 
 @router.get("", response_model=schemas.JobPage)
 def list_conversions(
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     token: TokenDep,
     status_: Annotated[schemas.JobStatus | None, Query(alias="status")] = None,
     source: Annotated[str | None, Query(max_length=2048, pattern=schemas.PRINTABLE_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^job-[0-9a-f]+$")] = None,
-) -> schemas.JobPage:
+) -> Response:
     """Newest first; follow `next_cursor` for more. Lists the caller's own jobs (an admin: all jobs)."""
     rows, nxt = repo.list_jobs(
         session,
@@ -139,16 +139,16 @@ def list_conversions(
         status=status_,
         source=source,
     )
-    return schemas.JobPage(items=[to_schema(j) for j in rows], next_cursor=nxt)
+    return json_response(schemas.JobPage(items=[to_schema(j) for j in rows], next_cursor=nxt))
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses={404: {"model": schemas.Problem}})
-def get_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> schemas.Job:
+def get_conversion(job_id: JobId, session: ReadSessionDep, token: TokenDep) -> Response:
     """One of the caller's jobs (an admin: any job); another token's job is 404, like a missing one."""
     job = repo.get_job_for(session, job_id, viewer(token))
     if job is None:
         raise not_found("conversion", job_id)
-    return to_schema(job)
+    return json_response(to_schema(job))
 
 
 @router.post(
@@ -156,7 +156,7 @@ def get_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> schem
     response_model=schemas.Job,
     responses={404: {"model": schemas.Problem}, 409: {"model": schemas.Problem}},
 )
-def cancel_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> schemas.Job:
+def cancel_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> Response:
     """Cancel: a queued job at once, a running one at its next layer boundary. Non-admin tokens
     cancel only their own jobs (another token's job is 404)."""
     job = repo.request_cancel(session, job_id, viewer(token))
@@ -165,4 +165,4 @@ def cancel_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> sc
     if job.status in ("succeeded", "failed"):
         raise conflict(f"conversion {job_id} already {job.status}; nothing to cancel")
     session.commit()
-    return to_schema(job)
+    return json_response(to_schema(job))

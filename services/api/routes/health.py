@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import func, select, text
 
 from services.api import schemas
-from services.api.deps import SettingsDep, get_store
+from services.api.deps import SettingsDep, app_store
 from services.db import repo
 from services.db.models import Job
 from services.db.session import session_scope
@@ -55,7 +55,7 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
         return "ok" if settings.broker_url else detail
 
     def store() -> str:
-        get_store(request, settings).exists(PROBE_ID)  # one HEAD / stat: reachable and authorised
+        app_store(request, settings).exists(PROBE_ID)  # one HEAD / stat: reachable and authorised
         return "ok"
 
     def authenticated() -> bool:
