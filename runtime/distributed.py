@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,11 @@ def init_tensor_parallel(
     master_addr: str | None = None,
     master_port: int | None = None,
     device: str = "cpu",
+    timeout: timedelta | None = None,
 ) -> None:
     """Join the process group (a no-op for world_size 1). Address and port default to
-    MASTER_ADDR / MASTER_PORT from the environment (as torchrun sets them), then 127.0.0.1:29500."""
+    MASTER_ADDR / MASTER_PORT from the environment (as torchrun sets them), then 127.0.0.1:29500.
+    `timeout`: of the rendezvous and of every collective (None: torch's default)."""
     if world_size == 1 or dist.is_initialized():
         return
     addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -36,7 +39,9 @@ def init_tensor_parallel(
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def shutdown_tensor_parallel() -> None:

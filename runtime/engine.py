@@ -250,12 +250,24 @@ class Engine:
         with self._lock:
             self._abort_inbox.append(request_id)
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        return self._step(*self._drain())
+
+    def idle(self) -> None:
+        """Called by AsyncEngine at each poll while it has nothing to do (TP: keeps the
+        other ranks' wait for the next step within the process group's timeout)."""
+
+    def _drain(self) -> tuple[list[_Sequence], list[str]]:
+        """The requests added and the aborts asked for since the last step."""
         with self._lock:
-            self._waiting.extend(self._inbox)
+            new = list(self._inbox)
             self._inbox.clear()
             aborts, self._abort_inbox = self._abort_inbox, []
+        return new, aborts
+
+    @torch.inference_mode()
+    def _step(self, new: list[_Sequence], aborts: list[str]) -> list[RequestOutput]:
+        self._waiting.extend(new)
         outputs, self._pending_outputs = self._pending_outputs, []
         for rid in aborts:
             outputs.extend(self._abort(rid))
@@ -440,6 +452,8 @@ class AsyncEngine:
     @property
     def dead(self) -> str | None:
         """Why the engine can serve no more requests (its step loop died), or None while it can."""
+        if isinstance(self._died, EngineDeadError):
+            return str(self._died)
         if self._died is not None:
             return f"the engine's step loop died: {type(self._died).__name__}: {self._died}"
         if self._thread is not None and not self._thread.is_alive() and not self._stop:
@@ -474,6 +488,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        self._wake.set()
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine unusable from outside its loop (a tensor-parallel peer died): the
+        requests in flight and new ones get EngineDeadError, /health 503, the step loop stops."""
+        self._died = EngineDeadError(reason)
+        for rid in list(self._streams):
+            self._deliver(rid, self._died)
+        self._stop = True
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -516,7 +539,8 @@ class AsyncEngine:
     def _loop(self, keep_running: Callable[[], bool], poll_s: float) -> None:
         while not self._stop and keep_running():
             if not self.engine.has_unfinished():
-                self._wake.wait(timeout=poll_s)
+                if not self._wake.wait(timeout=poll_s):
+                    self.engine.idle()
                 self._wake.clear()
                 continue
             try:

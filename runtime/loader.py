@@ -266,7 +266,8 @@ def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str | None
     for Kiln's own commands, which run one rank)."""
     if manifest.tp != world_size:
         vllm = f"vllm serve ARTIFACT --load-format kiln --tensor-parallel-size {manifest.tp}"
-        how = f"run with {flag} {manifest.tp}" if flag else f"serve it with `{vllm}`"
+        kiln = f"kiln serve ARTIFACT --tp {manifest.tp}"
+        how = f"run with {flag} {manifest.tp}" if flag else f"serve it with `{kiln}` or `{vllm}`"
         raise LoadError(
             f"artifact was sharded for tp={manifest.tp}; this run has world_size={world_size} — "
             f"{how}, or convert with --tp {world_size}"

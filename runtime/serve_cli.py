@@ -120,6 +120,15 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tensor-parallel ranks, one process each, started here (gloo on CPU, NCCL on CUDA; "
+            "rank 0 serves HTTP). Default: the artifact's TP size.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (/v1/chat/completions, /v1/completions, …)."""
     from runtime.startup import freeze_long_lived, import_torch
@@ -129,25 +138,56 @@ def serve(
     import uvicorn
 
     from kernels.errors import KilnError
+    from runtime.distributed import free_port
     from runtime.engine import AsyncEngine, Engine
-    from runtime.loader import load_model
+    from runtime.loader import LoadError, load_model
     from runtime.openai import build_app
     from runtime.settings import get_settings
+    from runtime.tp_serving import (
+        LeaderEngine,
+        RankSpec,
+        load_rank,
+        start_followers,
+        stop_followers,
+        watch_followers,
+    )
 
     settings = get_settings()
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
+    followers: list = []  # type: ignore[type-arg]
     try:
         path = resolve_artifact(artifact, cache_dir, verify=verify)
-        loaded = load_model(
-            path, device=device.value if device else None, kv_cache_dtype=kv_cache_dtype.value
-        )
+        world_size = tp_size(path, tp)
+        if world_size == 1:
+            loaded = load_model(
+                path, device=device.value if device else None, kv_cache_dtype=kv_cache_dtype.value
+            )
+            engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        else:
+            spec = RankSpec(
+                artifact=str(path),
+                world_size=world_size,
+                port=free_port(),
+                device=device.value if device else None,
+                kv_cache_dtype=kv_cache_dtype.value,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                num_threads=settings.num_threads,
+            )
+            log.info("starting %d tensor-parallel ranks for %s", world_size, path)
+            followers = start_followers(spec)
+            leader, errors = load_rank(spec, 0, LeaderEngine)
+            if leader is None:
+                stop_followers(None, followers)
+                raise LoadError("; ".join(errors))
+            engine = leader
+            loaded = engine.loaded
         if loaded.tokenizer is None:
-            raise typer.BadParameter(f"{path}: the artifact has no tokenizer", param_hint="ARTIFACT")
-        engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            raise LoadError(f"{path}: the artifact has no tokenizer; re-convert its checkpoint")
         freeze_long_lived()
     except KilnError as e:
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(code=1) from e
     artifact_id = loaded.manifest.artifact_id
     name = served_model_name or artifact_id
@@ -162,8 +202,37 @@ def serve(
     )
     log.info("serving %s (%s) on http://%s:%d, loaded in %.2f s", name, path, host, port, loaded.load_seconds)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
-    if not run_beside_engine(server, async_engine):
+    lost_rank: list[str] = []
+    if followers:
+
+        def on_rank_death(reason: str) -> None:
+            log.critical("%s: failing the requests in flight and stopping", reason)
+            lost_rank.append(reason)
+            async_engine.fail(reason)
+            server.should_exit = True
+
+        watch_followers(followers, on_rank_death)
+    try:
+        started = run_beside_engine(server, async_engine)
+    finally:
+        if followers:
+            stop_followers(engine if not lost_rank else None, followers)  # type: ignore[arg-type]
+    if not started or lost_rank:
         raise typer.Exit(code=1)
+
+
+def tp_size(path: Path, tp: int | None) -> int:
+    """The ranks to run: `--tp`, which must match the artifact's sharding, or the artifact's."""
+    from runtime.artifact.manifest import Manifest
+    from runtime.loader import LoadError
+
+    sharded = Manifest.load(path).tp
+    if tp is not None and tp != sharded:
+        raise LoadError(
+            f"{path.name} was sharded for tp={sharded}; --tp {tp} cannot serve it — pass --tp {sharded} "
+            f"(or leave --tp out), or convert the checkpoint with --tp {tp}"
+        )
+    return sharded
 
 
 def run_beside_engine(server: uvicorn.Server, async_engine: AsyncEngine) -> bool:

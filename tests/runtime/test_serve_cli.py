@@ -104,7 +104,11 @@ def test_wrong_tp_names_a_command_that_exists(
     (art / "manifest.json").write_text(json.dumps(manifest))
     r = _kiln("generate", str(art), "--prompt", "hi", "--max-tokens", "1")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--tensor-parallel-size 2" in r.stderr and "convert with --tp 1" in r.stderr
+    assert "kiln serve ARTIFACT --tp 2" in r.stderr and "--tensor-parallel-size 2" in r.stderr
+    assert "convert with --tp 1" in r.stderr
+    served = _kiln("serve", str(art), "--tp", "4")
+    assert served.returncode == 1 and "Traceback" not in served.stderr
+    assert "sharded for tp=2; --tp 4 cannot serve it" in served.stderr
 
 
 @pytest.mark.parametrize("command", [["create-token", "--name", "first"], ["list-tokens"]])

@@ -1,0 +1,108 @@
+"""`kiln serve` on a TP-sharded artifact launches its ranks itself (gloo on CPU): the same greedy
+completions as the unsharded artifact under concurrent requests, a clean stop that takes the ranks
+with it, and a rank that dies makes the server fail its requests and exit 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import PreTrainedModel
+
+from runtime.distributed import free_port
+from tests.runtime.artifact_factory import write_artifact
+from tests.runtime.serving import MODEL_NAME, serve_artifact
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["Once upon a time", "The capital of", "1 2 3 4 5", "hello"]
+MAX_TOKENS = 12
+
+
+def completions(base_url: str, model: str) -> list[str]:
+    def one(prompt: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        body["ignore_eos"] = True
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: batched decode across the ranks
+        return list(pool.map(one, PROMPTS))
+
+
+def rank_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@contextmanager
+def kiln_serve(artifact: Path, log: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    env = {**os.environ, "KILN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "services.cli", "serve", str(artifact), "--host", "127.0.0.1",
+        "--port", str(port), "--served-model-name", "tiny", "--device", "cpu", "--max-num-seqs", "4", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_artifact: tuple[PreTrainedModel, Path]) -> list[str]:
+    with serve_artifact(llama_artifact[1]) as server:
+        return completions(server.base_url, MODEL_NAME)
+
+
+def test_tp2_served_by_kiln_serve_matches_tp1_and_stops_its_ranks(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path], expected: list[str]
+) -> None:
+    artifact = write_artifact(llama_artifact[0], tmp_path / "tp2", tp=2)
+    log = tmp_path / "serve.log"
+    with kiln_serve(artifact, log, "--tp", "2") as (proc, url):
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 1, log.read_text()[-2000:]  # rank 1; rank 0 is the server itself
+        assert completions(url, "tiny") == expected
+        assert completions(url, "tiny") == expected  # the ranks stay in step across requests
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_rank_that_dies_stops_the_server_with_an_error(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
+    artifact = write_artifact(llama_artifact[0], tmp_path / "tp2", tp=2)  # --tp from the artifact
+    log = tmp_path / "serve.log"
+    with kiln_serve(artifact, log) as (proc, _url):
+        (rank1,) = rank_pids(proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    text = log.read_text()
+    assert "tensor-parallel kiln-rank1 exited with code -9" in text and "Traceback" not in text
