@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kernels.errors import KilnError
 from runtime.serve_cli import VERIFY_HELP, register_serve
@@ -26,7 +27,7 @@ def register(app: typer.Typer) -> None:
 
 def print_error(e: BaseException) -> None:
     """One `error: …` line on stderr, never wrapped (logs and grep see the whole message)."""
-    err.print(f"[bold red]error:[/] {' '.join(str(e).split())}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)
 
 
 def _fail(e: KilnError) -> typer.Exit:

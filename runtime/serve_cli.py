@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+
     import uvicorn
 
     from runtime.engine import AsyncEngine
@@ -155,7 +157,7 @@ def serve(
     settings = get_settings()
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
-    followers: list = []  # type: ignore[type-arg]
+    followers: list[SpawnProcess] = []
     try:
         path = resolve_artifact(artifact, cache_dir, verify=verify)
         world_size = tp_size(path, tp)
@@ -187,7 +189,9 @@ def serve(
             raise LoadError(f"{path}: the artifact has no tokenizer; re-convert its checkpoint")
         freeze_long_lived()
     except KilnError as e:
-        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+        from runtime.cli import print_error
+
+        print_error(e)
         raise typer.Exit(code=1) from e
     artifact_id = loaded.manifest.artifact_id
     name = served_model_name or artifact_id
@@ -216,7 +220,8 @@ def serve(
         started = run_beside_engine(server, async_engine)
     finally:
         if followers:
-            stop_followers(engine if not lost_rank else None, followers)  # type: ignore[arg-type]
+            assert isinstance(engine, LeaderEngine)
+            stop_followers(engine if not lost_rank else None, followers)
     if not started or lost_rank:
         raise typer.Exit(code=1)
 

@@ -221,7 +221,9 @@ def revoke_token(
             revoked = [(t.id, t.name) for t in result.revoked]
             already = [(t.id, t.name) for t in result.already]
     except repo.UnknownToken as e:
-        console.print(f"[red]error:[/red] {e}")
+        from runtime.cli import print_error
+
+        print_error(e)
         raise typer.Exit(1) from e
     for token_id, name in revoked:
         typer.echo(f"revoked token {token_id} ({name!r})")

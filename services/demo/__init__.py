@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kernels.errors import KilnError
@@ -285,6 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(with_int4=not args.no_int4, threads=args.threads, log=log)
     except KilnError as e:
-        console.print(f"[red]demo failed:[/red] {e}")
+        console.print(f"[red]demo failed:[/red] {escape(str(e))}")
         return 1
     return 0

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from transformers import PreTrainedModel
 
+from kernels.errors import KilnError
 from tests.runtime.serving import MODEL_NAME, serve_artifact
 
 KILN = [sys.executable, "-m", "services.cli"]
@@ -118,3 +119,10 @@ def test_admin_commands_on_a_fresh_embedded_data_dir(tmp_path: Path, command: li
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     if command[0] == "create-token":
         assert r.stdout.strip().splitlines()[-1].startswith("kiln_")
+
+
+def test_an_error_message_with_brackets_is_printed_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.cli import print_error
+
+    print_error(KilnError("targets [sm80] and [/x] rejected; see [bold]"))
+    assert capsys.readouterr().err.strip() == "error: targets [sm80] and [/x] rejected; see [bold]"
