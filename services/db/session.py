@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
@@ -42,19 +44,24 @@ IDLE_PING_S = 10.0
 
 
 def _ping_when_idle(engine: Engine) -> None:
-    """Ping a pooled connection on checkout only when it sat idle for IDLE_PING_S: a dropped
-    PostgreSQL connection (server restart, idle kill) is replaced transparently, and a busy API
-    does not pay a round trip per request for it (`pool_pre_ping` pings on every checkout). A
-    connection dropped while in use is invalidated with the whole pool on its first error."""
+    """Check a pooled connection on checkout without a round trip: a connection the server closed
+    (restart, `pg_terminate_backend`, idle kill) has its socket readable (the server's goodbye or
+    EOF), which one `select` sees; only a connection idle for IDLE_PING_S is also pinged (a peer
+    that vanished without closing). A dead connection is replaced transparently, and a busy API does
+    not pay the round trip per request that `pool_pre_ping` costs."""
 
     @event.listens_for(engine, "checkin")
     def _stamp(_dbapi_conn, record) -> None:  # type: ignore[no-untyped-def]
         record.info["idle_since"] = time.monotonic()
 
     @event.listens_for(engine, "checkout")
-    def _ping(dbapi_conn, record, _proxy) -> None:  # type: ignore[no-untyped-def]
+    def _check(dbapi_conn, record, _proxy) -> None:  # type: ignore[no-untyped-def]
         since = record.info.get("idle_since")
-        if since is None or time.monotonic() - since < IDLE_PING_S:
+        if since is None:  # a new connection
+            return
+        if _closed_by_server(dbapi_conn):
+            raise DisconnectionError("the server closed this pooled connection")
+        if time.monotonic() - since < IDLE_PING_S:
             return
         try:
             alive = engine.dialect.do_ping(dbapi_conn)
@@ -62,6 +69,17 @@ def _ping_when_idle(engine: Engine) -> None:
             raise DisconnectionError(f"pooled connection is gone: {e}") from e
         if not alive:
             raise DisconnectionError("pooled connection did not answer a ping")
+
+
+def _closed_by_server(dbapi_conn: Any) -> bool:
+    """An idle PostgreSQL connection has nothing to read; anything readable means the server
+    said goodbye (or closed the socket)."""
+    try:
+        fd = dbapi_conn.pgconn.socket
+        readable, _, _ = select.select([fd], [], [], 0)
+    except (OSError, ValueError, AttributeError, dbapi_conn.Error):
+        return True  # no usable socket
+    return bool(readable)
 
 
 def get_engine(settings: ServiceSettings) -> Engine:
