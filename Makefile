@@ -49,7 +49,7 @@ test: install vllm-venv
 	# `docker-compose config` validates docker-compose.yml without an engine (Debian's v1.29).
 	command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose unavailable: its test will skip"
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" --durations=15 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
