@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from kernels.errors import KilnError
+from runtime.cli_output import err, print_error
 from runtime.serve_cli import VERIFY_HELP, register_serve
 
-err = Console(stderr=True)
+__all__ = ["err", "print_error", "register"]
 
 
 def register(app: typer.Typer) -> None:
@@ -23,11 +22,6 @@ def register(app: typer.Typer) -> None:
     app.command("generate")(generate_command)
     # ---- `kiln serve` lives in runtime/serve_cli.py (server owner) --------------------------------
     register_serve(app)
-
-
-def print_error(e: BaseException) -> None:
-    """One `error: …` line on stderr, never wrapped (logs and grep see the whole message)."""
-    err.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)
 
 
 def _fail(e: KilnError) -> typer.Exit:

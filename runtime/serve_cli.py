@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from runtime.cli_output import print_error
+
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
 
@@ -189,8 +191,6 @@ def serve(
             raise LoadError(f"{path}: the artifact has no tokenizer; re-convert its checkpoint")
         freeze_long_lived()
     except KilnError as e:
-        from runtime.cli import print_error
-
         print_error(e)
         raise typer.Exit(code=1) from e
     artifact_id = loaded.manifest.artifact_id

@@ -221,7 +221,7 @@ def revoke_token(
             revoked = [(t.id, t.name) for t in result.revoked]
             already = [(t.id, t.name) for t in result.already]
     except repo.UnknownToken as e:
-        from runtime.cli import print_error
+        from runtime.cli_output import print_error
 
         print_error(e)
         raise typer.Exit(1) from e

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
-from runtime.cli import err, print_error
+from runtime.cli_output import err, print_error
 
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)

@@ -122,7 +122,7 @@ def test_admin_commands_on_a_fresh_embedded_data_dir(tmp_path: Path, command: li
 
 
 def test_an_error_message_with_brackets_is_printed_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.cli import print_error
+    from runtime.cli_output import print_error
 
     print_error(KilnError("targets [sm80] and [/x] rejected; see [bold]"))
     assert capsys.readouterr().err.strip() == "error: targets [sm80] and [/x] rejected; see [bold]"
