@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -18,7 +16,7 @@ import httpx
 import pytest
 from transformers import PreTrainedModel
 
-from runtime.distributed import free_port
+from services.demo.processes import Server
 from tests.runtime.artifact_factory import write_artifact
 from tests.runtime.serving import MODEL_NAME, serve_artifact
 
@@ -46,30 +44,16 @@ def rank_pids(pid: int) -> list[int]:
 
 @contextmanager
 def kiln_serve(artifact: Path, log: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    port = free_port()
     env = {**os.environ, "KILN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "services.cli", "serve", str(artifact), "--host", "127.0.0.1",
-        "--port", str(port), "--served-model-name", "tiny", "--device", "cpu", "--max-num-seqs", "4", *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    args = ["serve", str(artifact), "--served-model-name", "tiny", "--device", "cpu", "--max-num-seqs", "4"]
+    server = Server([*args, *extra], env, log)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield proc, url
+        server.wait_ready(180)
+        yield server.proc, server.url
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
