@@ -494,8 +494,7 @@ class AsyncEngine:
         """Declare the engine unusable from outside its loop (a tensor-parallel peer died): the
         requests in flight and new ones get EngineDeadError, /health 503, the step loop stops."""
         self._died = EngineDeadError(reason)
-        for rid in list(self._streams):
-            self._deliver(rid, self._died)
+        self._fail_streams(self._died)
         self._stop = True
         self._wake.set()
 
@@ -510,6 +509,11 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed
             self._streams.pop(request_id, None)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        """End every request in flight with `error`."""
+        for rid in list(self._streams):
+            self._deliver(rid, error)
 
     def claim_for_caller(self) -> None:
         """Promise that the caller will `run_here()`: until then `start()` (the app's lifespan, a
@@ -532,8 +536,7 @@ class AsyncEngine:
         except BaseException as e:  # the loop itself failed: fail the requests in flight, say so on /health
             self._died = e
             log.critical("the engine's step loop died; /health reports 503", exc_info=True)
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(self.dead or "the engine died"))
+            self._fail_streams(EngineDeadError(self.dead or "the engine died"))
             raise
 
     def _loop(self, keep_running: Callable[[], bool], poll_s: float) -> None:

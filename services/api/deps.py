@@ -93,7 +93,8 @@ async def get_store(request: Request, settings: SettingsDep) -> ArtifactStore:
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 
 
-def _lookup_token(settings: ServiceSettings, presented: str) -> Caller | None:
+def lookup_token(settings: ServiceSettings, presented: str) -> Caller | None:
+    """Who a presented bearer token is, from SQL (None: unknown or revoked)."""
     with session_factory(settings, read_only=True)() as session:
         row = repo.find_token(session, presented)
         return None if row is None else Caller(id=row.id, name=row.name, is_admin=row.is_admin)
@@ -110,7 +111,7 @@ async def current_token(
     digest = repo.hash_token(creds.credentials)
     caller = cache.get(digest)
     if caller is None:
-        caller = await run_in_threadpool(_lookup_token, settings, creds.credentials)
+        caller = await run_in_threadpool(lookup_token, settings, creds.credentials)
         if caller is None:
             raise unauthorized("invalid or revoked token")
         cache.put(digest, caller)

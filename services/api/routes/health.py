@@ -16,8 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import func, select, text
 
 from services.api import schemas
-from services.api.deps import SettingsDep, app_store
-from services.db import repo
+from services.api.deps import SettingsDep, app_store, lookup_token
 from services.db.models import Job
 from services.db.session import session_scope
 from services.redact import redact_text
@@ -61,8 +60,7 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
     def authenticated() -> bool:
         if presented is None:
             return False
-        with session_scope(settings) as s:
-            return repo.find_token(s, presented) is not None
+        return lookup_token(settings, presented) is not None
 
     checks: dict[str, Callable[[], str]] = {"db": db, "broker": broker, "store": store}
     results: dict[str, str] = {}
