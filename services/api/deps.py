@@ -1,19 +1,20 @@
-"""Dependencies of the routes, as `Annotated` aliases: settings, a DB session, the caller's token."""
+"""Dependencies of the routes, as `Annotated` aliases: settings, dispatcher, store, the caller's token.
+
+Routes reach SQL through `run_unit` (services/db/session.py): a unit of work that survives a dropped
+pooled connection."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
 from services.api.errors import forbidden, store_unavailable, unauthorized
 from services.api.token_cache import Caller, TokenCache
 from services.db import repo
-from services.db.session import session_factory
+from services.db.session import run_unit
 from services.settings import ServiceSettings
 from services.storage import open_store
 from services.storage.base import ArtifactStore
@@ -27,45 +28,6 @@ async def get_settings_dep(request: Request) -> ServiceSettings:
 
 
 SettingsDep = Annotated[ServiceSettings, Depends(get_settings_dep)]
-
-
-def _end(session: Session, commit: bool) -> None:
-    try:
-        if commit:
-            session.commit()
-    finally:
-        session.close()  # rolls back whatever is still open
-
-
-async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
-    """One session per request, committed when the route returns (routes that must be durable
-    before they answer commit themselves). Creating it does no I/O, so it happens on the event
-    loop; ending a transaction does, so that happens in the threadpool, and only when one is open
-    (a route that committed leaves none: its request costs no extra thread hop)."""
-    session = session_factory(settings)()
-    try:
-        yield session
-    except BaseException:
-        await run_in_threadpool(_end, session, False)
-        raise
-    if session.in_transaction():
-        await run_in_threadpool(_end, session, True)
-    else:
-        session.close()
-
-
-async def get_read_session(settings: SettingsDep) -> AsyncIterator[Session]:
-    """A session for routes that only read. Its connection is in autocommit, so closing it is no
-    I/O (nothing to commit or roll back) and happens on the event loop."""
-    session = session_factory(settings, read_only=True)()
-    try:
-        yield session
-    finally:
-        session.close()
-
-
-SessionDep = Annotated[Session, Depends(get_session)]
-ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 
 
 async def get_dispatcher(request: Request) -> Dispatcher:
@@ -95,9 +57,8 @@ StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 
 def lookup_token(settings: ServiceSettings, presented: str) -> Caller | None:
     """Who a presented bearer token is, from SQL (None: unknown or revoked)."""
-    with session_factory(settings, read_only=True)() as session:
-        row = repo.find_token(session, presented)
-        return None if row is None else Caller(id=row.id, name=row.name, is_admin=row.is_admin)
+    row = run_unit(settings, lambda s: repo.find_token(s, presented), what="a token lookup", read_only=True)
+    return None if row is None else Caller(id=row.id, name=row.name, is_admin=row.is_admin)
 
 
 async def current_token(

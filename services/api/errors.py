@@ -11,10 +11,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernels.errors import KilnError
 from services.db.repo import IdempotencyConflict
+from services.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ def conflict(detail: str) -> HTTPException:
 
 
 STORE_RETRY_AFTER_S = 10
+DB_RETRY_AFTER_S = 5
 
 
 def store_unavailable(action: str) -> HTTPException:
@@ -114,6 +117,18 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(
             {"detail": json_safe(jsonable_encoder(exc.errors()))},
             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        )
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _db_down(_: Request, exc: DBAPIError) -> JSONResponse:
+        # Connection-level faults that outlived run_unit's retry: the database is down or
+        # unreachable. The cause is logged, not shown (it names hosts and databases).
+        log.error("database unavailable: %s", redact_text(str(exc.orig if exc.orig is not None else exc)))
+        return JSONResponse(
+            {"detail": "the database is unavailable; try again later"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": str(DB_RETRY_AFTER_S)},
         )
 
     @app.exception_handler(KilnError)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.redact import redact_text
 from services.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
@@ -119,6 +124,47 @@ def session_factory(settings: ServiceSettings, *, read_only: bool = False) -> se
 
 @contextmanager
 def session_scope(settings: ServiceSettings) -> Iterator[Session]:
-    """A session in a transaction: committed on success, rolled back on error."""
+    """A session in a transaction: committed on success, rolled back on error. No retry: for
+    one-off commands on fresh connections; long-lived processes use `run_unit`."""
     with session_factory(settings)() as session, session.begin():
         yield session
+
+
+def run_unit(
+    settings: ServiceSettings,
+    work: Callable[[Session], T],
+    *,
+    what: str,
+    read_only: bool = False,
+    idempotent: bool = False,
+) -> T:
+    """Run `work(session)` as one unit of work and return its result: in a transaction committed
+    at the end, or (`read_only`) on an autocommit connection.
+
+    A pooled connection the server dropped (failover, restart, `pg_terminate_backend`, an idle
+    kill) is found at its first statement at the latest; the pool then discards it and every
+    connection as old, and the unit runs once more on a new connection, with one warning line, when
+    that is safe: always for reads, and for writes whose failure came before COMMIT was sent (the
+    server rolled the transaction back when the connection died). A failure during COMMIT leaves
+    the outcome unknown, so it is retried only for an `idempotent` unit. Any other error, and a
+    second disconnect, surface as they are. `work` must do nothing outside the database that a
+    second run would repeat harmfully."""
+    factory = session_factory(settings, read_only=read_only)
+    for attempt in (1, 2):
+        committing = False
+        session = factory()
+        try:
+            result = work(session)
+            if not read_only:
+                session.flush()
+                committing = True
+                session.commit()
+            return result
+        except DBAPIError as e:
+            if attempt == 2 or not e.connection_invalidated or (committing and not idempotent):
+                raise
+            reason = redact_text(str(e.orig) if e.orig is not None else str(e)).splitlines()[0][:200]
+            log.warning("database connection lost during %s (%s); retrying on a new connection", what, reason)
+        finally:
+            session.close()
+    raise AssertionError("unreachable")  # the second attempt returned or raised

@@ -11,7 +11,7 @@ import queue
 import threading
 
 from services.db import repo
-from services.db.session import session_scope
+from services.db.session import run_unit
 from services.redact import redact_text
 from services.settings import ServiceSettings
 from services.worker.jobs import TransientJobError, retry_delay, run_job
@@ -34,8 +34,12 @@ class EmbeddedWorker:
     def start(self) -> None:
         for t in self._threads:
             t.start()
-        with session_scope(self.settings) as s:
-            pending = [j.id for j in repo.orphaned_jobs(s, stale_after_s=0)]
+        pending = run_unit(
+            self.settings,
+            lambda s: [j.id for j in repo.orphaned_jobs(s, stale_after_s=0)],
+            what="the embedded worker's start",
+            read_only=True,
+        )
         for job_id in sorted(pending):
             self._queue.put(job_id)
         if pending:
@@ -84,8 +88,12 @@ class EmbeddedWorker:
 
     def _attempts(self, job_id: str) -> int:
         try:
-            with session_scope(self.settings) as s:
-                job = repo.get_job(s, job_id)
-                return job.attempts if job else 1
+            job = run_unit(
+                self.settings,
+                lambda s: repo.get_job(s, job_id),
+                what=f"job {job_id}'s attempts",
+                read_only=True,
+            )
+            return job.attempts if job else 1
         except Exception:
             return 1

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy.orm import Session
 
 from kernels.errors import KilnError
 from services.db import repo
-from services.db.session import session_scope
+from services.db.session import run_unit
 from services.redact import redact_text
 from services.settings import ServiceSettings
 from services.storage import open_store
@@ -84,10 +85,13 @@ class ProgressWriter:
         self._last_stage, self._last_write = stage, now
         pct = int(100 * done / total) if total > 0 else 0
         try:
-            with session_scope(self.settings) as s:
-                repo.record_progress(
-                    s, self.job_id, stage=stage, progress=pct, message=str(getattr(p, "message", ""))
-                )
+            message = str(getattr(p, "message", ""))
+            run_unit(
+                self.settings,
+                lambda s: repo.record_progress(s, self.job_id, stage=stage, progress=pct, message=message),
+                what=f"job {self.job_id}'s progress",
+                idempotent=True,
+            )
         except SoftTimeLimitExceeded:
             raise
         except Exception as e:  # progress is advisory: a failed write must not fail the conversion
@@ -109,8 +113,12 @@ class CancelCheck:
         if self.settings.convert_layer_delay_s > 0:
             time.sleep(self.settings.convert_layer_delay_s)
         try:
-            with session_scope(self.settings) as s:
-                return repo.cancel_requested(s, self.job_id)
+            return run_unit(
+                self.settings,
+                lambda s: repo.cancel_requested(s, self.job_id),
+                what=f"job {self.job_id}'s cancellation flag",
+                read_only=True,
+            )
         except SoftTimeLimitExceeded:
             raise
         except Exception as e:
@@ -138,8 +146,12 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.settings.job_heartbeat_s):
             try:
-                with session_scope(self.settings) as s:
-                    repo.heartbeat(s, self.job_id)
+                run_unit(
+                    self.settings,
+                    lambda s: repo.heartbeat(s, self.job_id),
+                    what=f"job {self.job_id}'s heartbeat",
+                    idempotent=True,
+                )
             except Exception as e:
                 log.warning("job %s: heartbeat failed (%s)", self.job_id, e)
 
@@ -239,14 +251,35 @@ def discard_stale_staging(artifact_ids: list[str], settings: ServiceSettings) ->
 
 
 def run_job(job_id: str, *, settings: ServiceSettings, task_id: str | None = None) -> Outcome:
-    """Run (or skip) one attempt of a job. Raises TransientJobError when a retry should follow."""
-    with session_scope(settings) as s:
-        claim = repo.claim_job(s, job_id, task_id)
-        if claim.outcome != "run" or claim.job is None:
-            log.info("job %s: not run (%s)", job_id, claim.outcome)
-            return claim.outcome  # type: ignore[return-value]
-        j = claim.job
-        spec = JobSpec(j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts)
+    """Run (or skip) one attempt of a job. Raises TransientJobError when a retry should follow,
+    including when the database is lost while the job is claimed or ended (the retry's claim
+    resumes it; the attempts bound holds)."""
+    try:
+        return _run_attempt(job_id, settings, task_id)
+    except TransientJobError:
+        raise
+    except Exception as e:
+        if is_transient(e):
+            raise TransientJobError(redact_text(str(e))) from e
+        raise
+
+
+def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) -> Outcome:
+
+    def claim(s: Session) -> tuple[str, JobSpec | None]:
+        c = repo.claim_job(s, job_id, task_id)
+        if c.outcome != "run" or c.job is None:
+            return c.outcome, None
+        j = c.job
+        return c.outcome, JobSpec(
+            j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts
+        )
+
+    # Not idempotent: a rerun after a lost COMMIT would count the attempt twice.
+    outcome, spec = run_unit(settings, claim, what=f"job {job_id}'s claim")
+    if spec is None:
+        log.info("job %s: not run (%s)", job_id, outcome)
+        return outcome  # type: ignore[return-value]
     log.info("job %s: attempt %d: converting %s for %s", job_id, spec.attempt, spec.source, spec.targets)
     if is_local(spec.source) and (problem := local_source_problem(spec.source)) is not None:
         _finish(job_id, "failed", problem, settings)
@@ -293,11 +326,14 @@ def run_job(job_id: str, *, settings: ServiceSettings, task_id: str | None = Non
 
     ids = [r.artifact_id for r in results]
     discard_stale_staging(ids, settings)  # before the job reads as succeeded
+
+    def record(s: Session) -> None:
+        for r in results:
+            repo.record_artifact(s, r.manifest, r.uri, job_id)
+        repo.complete_job(s, job_id, ids)
+
     try:
-        with session_scope(settings) as s:
-            for r in results:
-                repo.record_artifact(s, r.manifest, r.uri, job_id)
-            repo.complete_job(s, job_id, ids)
+        run_unit(settings, record, what=f"job {job_id}'s artifacts", idempotent=True)  # upserts
     except Exception as e:
         if is_transient(e):  # the artifacts are committed: the retry reuses them
             raise TransientJobError(str(e)) from e
@@ -320,14 +356,22 @@ def record_time_limit_kill(job_id: str, settings: ServiceSettings) -> None:
 def _finish(
     job_id: str, status: Literal["failed", "cancelled"], error: str, settings: ServiceSettings
 ) -> None:
-    with session_scope(settings) as s:
-        repo.finish_job(s, job_id, status, error)
+    run_unit(
+        settings,
+        lambda s: repo.finish_job(s, job_id, status, error),
+        what=f"job {job_id}'s end",
+        idempotent=True,
+    )
 
 
 def _retry_later(job_id: str, error: str, settings: ServiceSettings) -> None:
     try:
-        with session_scope(settings) as s:
-            repo.retry_later(s, job_id, error)
+        run_unit(
+            settings,
+            lambda s: repo.retry_later(s, job_id, error),
+            what=f"job {job_id}'s retry",
+            idempotent=True,
+        )
     except Exception as e:  # the database itself may be the transient fault
         log.warning("job %s: could not record retry (%s)", job_id, e)
 

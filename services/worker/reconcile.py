@@ -20,7 +20,7 @@ from functools import partial
 
 from services.db import repo
 from services.db.models import utcnow
-from services.db.session import session_scope
+from services.db.session import run_unit
 from services.redact import redact_text
 from services.settings import ServiceSettings
 from services.storage import open_store
@@ -71,18 +71,27 @@ def reconcile_once(settings: ServiceSettings, dispatcher: Dispatcher | None = No
             own.close()
     live = live_task_ids(settings)
     grace = utcnow() - timedelta(seconds=QUEUED_GRACE_S)
-    with session_scope(settings) as s:
-        candidates = [
-            (j.id, j.task_id)
-            for j in repo.orphaned_jobs(s, stale_after_s=settings.job_stale_after_s)
-            if j.task_id not in live and repo.as_aware(j.updated_at) < grace  # type: ignore[operator]
-        ]
+    candidates = [
+        (j.id, j.task_id)
+        for j in run_unit(
+            settings,
+            lambda s: repo.orphaned_jobs(s, stale_after_s=settings.job_stale_after_s),
+            what="the reconciler's scan",
+            read_only=True,
+        )
+        if j.task_id not in live and repo.as_aware(j.updated_at) < grace  # type: ignore[operator]
+    ]
     requeued: list[str] = []
     for job_id, old in candidates:
         new = dispatcher.new_task_id()
-        with session_scope(settings) as s:
-            if not repo.replace_task_id(s, job_id, old, new):
-                continue
+        # Not idempotent (compare-and-set): after a lost COMMIT the next pass finds the job again.
+        claimed = run_unit(
+            settings,
+            lambda s, job_id=job_id, old=old, new=new: repo.replace_task_id(s, job_id, old, new),
+            what=f"the reconciler's claim of job {job_id}",
+        )
+        if not claimed:
+            continue
         dispatcher.send(job_id, new)
         requeued.append(job_id)
         log.warning("reconciler: job %s had no live task (was %s); re-enqueued as %s", job_id, old, new)

@@ -1,35 +1,15 @@
 """PostgreSQL connections dropped (pg_terminate_backend on every connection of the API and the
-worker, between jobs and mid-conversion): both reconnect (pool_pre_ping) and nothing fails."""
+worker, between jobs and mid-conversion): both reconnect and nothing fails."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-
 from tests.reliability.faults import artifact_rows, submit
-from tests.services.conftest import PG_ADMIN_URL, wait_for_job
+from tests.reliability.pg_kill import terminate_connections
+from tests.services.conftest import wait_for_job
 from tests.services.stack import Stack
-
-
-def terminate_connections(database_url: str) -> int:
-    """pg_terminate_backend on every other connection to this database; returns how many."""
-    name = database_url.rsplit("/", 1)[-1]
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as c:
-            return len(
-                c.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE datname = :name AND pid <> pg_backend_pid()"
-                    ),
-                    {"name": name},
-                ).all()
-            )
-    finally:
-        admin.dispose()
 
 
 def test_api_and_worker_reconnect_after_connections_are_dropped(
@@ -43,7 +23,7 @@ def test_api_and_worker_reconnect_after_connections_are_dropped(
 
     # Between jobs: every pooled connection of the API and of the worker's pool process is dead.
     assert terminate_connections(db) >= 2
-    for _ in range(3):  # each request checks out a pooled (dead) connection: pre-ping replaces it
+    for _ in range(3):  # each request checks out a pooled (dead) connection: it is replaced
         r = stack.api.get(f"/v1/conversions/{first['id']}")
         assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
     assert stack.api.get("/health").json()["checks"]["db"] == "ok"

@@ -7,13 +7,15 @@ from typing import Annotated
 
 from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import APIRouter, HTTPException, Path, Query, Response, status
+from sqlalchemy.orm import Session
 
 from services.api import schemas
-from services.api.deps import AdminDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep, TokenDep
+from services.api.deps import AdminDep, SettingsDep, StoreDep, TokenDep
 from services.api.errors import AUTH_RESPONSES, not_found, store_unavailable
 from services.api.responses import json_response
 from services.db import repo
 from services.db.models import Artifact
+from services.db.session import run_unit
 from services.redact import redact_text
 from services.storage.errors import NotFoundError
 
@@ -51,7 +53,6 @@ def _summary(a: Artifact) -> schemas.ArtifactSummary:
 
 @router.get("", response_model=schemas.ArtifactPage)
 def list_artifacts(
-    session: ReadSessionDep,
     settings: SettingsDep,
     _: TokenDep,
     model: Annotated[str | None, Query(max_length=300, pattern=schemas.PRINTABLE_PATTERN)] = None,
@@ -61,14 +62,19 @@ def list_artifacts(
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(max_length=128, pattern=schemas.ID_PATTERN)] = None,
 ) -> Response:
-    rows, nxt = repo.list_artifacts(
-        session,
-        limit=min(limit, settings.api_page_size_max),
-        cursor=cursor,
-        model=model,
-        source_digest=source_digest,
-        target=target,
-        tp=tp,
+    rows, nxt = run_unit(
+        settings,
+        lambda session: repo.list_artifacts(
+            session,
+            limit=min(limit, settings.api_page_size_max),
+            cursor=cursor,
+            model=model,
+            source_digest=source_digest,
+            target=target,
+            tp=tp,
+        ),
+        what="an artifact listing",
+        read_only=True,
     )
     return json_response(schemas.ArtifactPage(items=[_summary(a) for a in rows], next_cursor=nxt))
 
@@ -78,12 +84,20 @@ def list_artifacts(
     response_model=schemas.ArtifactDetail,
     responses={404: {"model": schemas.Problem}, **STORE_DOWN},
 )
-def get_artifact(
-    artifact_id: ArtifactId, session: ReadSessionDep, settings: SettingsDep, store: StoreDep, _: TokenDep
-) -> Response:
-    a = repo.get_artifact(session, artifact_id)
-    if a is None:
+def get_artifact(artifact_id: ArtifactId, settings: SettingsDep, store: StoreDep, _: TokenDep) -> Response:
+    def read(session: Session) -> tuple[schemas.ArtifactSummary, dict, list[schemas.ArtifactFile]] | None:
+        a = repo.get_artifact(session, artifact_id)
+        if a is None:
+            return None
+        files = [
+            schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files
+        ]
+        return _summary(a), a.manifest, files
+
+    found = run_unit(settings, read, what="an artifact read", read_only=True)
+    if found is None:
         raise not_found("artifact", artifact_id)
+    summary, manifest, files = found
     try:
         urls = store.presigned_urls(artifact_id)
     except NotFoundError:
@@ -92,9 +106,9 @@ def get_artifact(
     except STORE_FAULTS as e:
         raise _store_fault(artifact_id, "sign its download URLs", e) from e
     detail = schemas.ArtifactDetail(
-        **_summary(a).model_dump(),
-        manifest=a.manifest,
-        files=[schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files],
+        **summary.model_dump(),
+        manifest=manifest,
+        files=files,
         urls=urls,
         urls_expire_in_s=settings.presigned_url_ttl_s,
     )
@@ -106,9 +120,12 @@ def get_artifact(
     status_code=status.HTTP_204_NO_CONTENT,
     responses={403: {"model": schemas.Problem}, 404: {"model": schemas.Problem}, **STORE_DOWN},
 )
-def delete_artifact(artifact_id: ArtifactId, session: SessionDep, store: StoreDep, _: AdminDep) -> Response:
+def delete_artifact(artifact_id: ArtifactId, settings: SettingsDep, store: StoreDep, _: AdminDep) -> Response:
     """Remove an artifact from the store (manifest first) and the catalog. Admin only."""
-    if repo.get_artifact(session, artifact_id) is None:
+    found = run_unit(
+        settings, lambda s: repo.get_artifact(s, artifact_id), what="an artifact read", read_only=True
+    )
+    if found is None:
         raise not_found("artifact", artifact_id)
     try:
         store.delete(artifact_id)
@@ -116,6 +133,10 @@ def delete_artifact(artifact_id: ArtifactId, session: SessionDep, store: StoreDe
         log.warning("artifact %s was already gone from the store", artifact_id)
     except STORE_FAULTS as e:
         raise _store_fault(artifact_id, "delete it", e) from e
-    repo.delete_artifact(session, artifact_id)
-    session.commit()
+    run_unit(
+        settings,
+        lambda s: repo.delete_artifact(s, artifact_id),
+        what="an artifact deletion",
+        idempotent=True,  # deleting a deleted row deletes nothing
+    )
     return Response(status_code=status.HTTP_204_NO_CONTENT)

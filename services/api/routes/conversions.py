@@ -8,12 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Response, status
 
 from services.api import schemas
-from services.api.deps import DispatcherDep, ReadSessionDep, SessionDep, SettingsDep, TokenDep
+from services.api.deps import DispatcherDep, SettingsDep, TokenDep
 from services.api.errors import AUTH_RESPONSES, conflict, invalid_field, not_found
 from services.api.responses import json_response
 from services.api.token_cache import Caller
 from services.db import repo
 from services.db.models import Job
+from services.db.session import run_unit
 from services.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,6 @@ def check_source(source: str, settings: SettingsDep) -> None:
 )
 def submit(
     body: schemas.ConversionCreate,
-    session: SessionDep,
     settings: SettingsDep,
     token: TokenDep,
     dispatcher: DispatcherDep,
@@ -92,21 +92,27 @@ def submit(
     """Queue a conversion; returns the job (the caller's existing one for a repeated Idempotency-Key
     or an identical request while that job is live or succeeded)."""
     check_source(body.source, settings)
-    sub = repo.submit_job(
-        session,
-        source=body.source,
-        targets=list(body.targets),
-        method=body.method,
-        tp=body.tp,
-        options=body.options.model_dump(),
-        idempotency_key=idempotency_key,
-        token_id=token.id,
-        max_attempts=settings.max_job_attempts,
-        task_id=dispatcher.new_task_id(),
-    )
+    task_id = dispatcher.new_task_id()
+    sub = run_unit(
+        settings,
+        lambda session: repo.submit_job(
+            session,
+            source=body.source,
+            targets=list(body.targets),
+            method=body.method,
+            tp=body.tp,
+            options=body.options.model_dump(),
+            idempotency_key=idempotency_key,
+            token_id=token.id,
+            max_attempts=settings.max_job_attempts,
+            task_id=task_id,
+        ),
+        what="a submission",
+        idempotent=True,  # a rerun finds the row a lost COMMIT may have written (its dedupe key)
+    )  # the row is durable before any worker can see the id
     job = sub.job
-    session.commit()  # the row is durable before any worker can see the id
-    if sub.created:
+    # Ours if created now, or by this request's own attempt whose COMMIT's answer was lost.
+    if sub.created or (task_id is not None and job.task_id == task_id):
         try:
             dispatcher.send(job.id, job.task_id)
         except Exception as e:  # the reconciler publishes it once the broker is back
@@ -122,7 +128,6 @@ def viewer(token: Caller) -> repo.Viewer:
 
 @router.get("", response_model=schemas.JobPage)
 def list_conversions(
-    session: ReadSessionDep,
     settings: SettingsDep,
     token: TokenDep,
     status_: Annotated[schemas.JobStatus | None, Query(alias="status")] = None,
@@ -131,21 +136,28 @@ def list_conversions(
     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^job-[0-9a-f]+$")] = None,
 ) -> Response:
     """Newest first; follow `next_cursor` for more. Lists the caller's own jobs (an admin: all jobs)."""
-    rows, nxt = repo.list_jobs(
-        session,
-        limit=min(limit, settings.api_page_size_max),
-        viewer=viewer(token),
-        cursor=cursor,
-        status=status_,
-        source=source,
+    rows, nxt = run_unit(
+        settings,
+        lambda session: repo.list_jobs(
+            session,
+            limit=min(limit, settings.api_page_size_max),
+            viewer=viewer(token),
+            cursor=cursor,
+            status=status_,
+            source=source,
+        ),
+        what="a job listing",
+        read_only=True,
     )
     return json_response(schemas.JobPage(items=[to_schema(j) for j in rows], next_cursor=nxt))
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses={404: {"model": schemas.Problem}})
-def get_conversion(job_id: JobId, session: ReadSessionDep, token: TokenDep) -> Response:
+def get_conversion(job_id: JobId, settings: SettingsDep, token: TokenDep) -> Response:
     """One of the caller's jobs (an admin: any job); another token's job is 404, like a missing one."""
-    job = repo.get_job_for(session, job_id, viewer(token))
+    job = run_unit(
+        settings, lambda s: repo.get_job_for(s, job_id, viewer(token)), what="a job read", read_only=True
+    )
     if job is None:
         raise not_found("conversion", job_id)
     return json_response(to_schema(job))
@@ -156,13 +168,17 @@ def get_conversion(job_id: JobId, session: ReadSessionDep, token: TokenDep) -> R
     response_model=schemas.Job,
     responses={404: {"model": schemas.Problem}, 409: {"model": schemas.Problem}},
 )
-def cancel_conversion(job_id: JobId, session: SessionDep, token: TokenDep) -> Response:
+def cancel_conversion(job_id: JobId, settings: SettingsDep, token: TokenDep) -> Response:
     """Cancel: a queued job at once, a running one at its next layer boundary. Non-admin tokens
     cancel only their own jobs (another token's job is 404)."""
-    job = repo.request_cancel(session, job_id, viewer(token))
+    job = run_unit(
+        settings,
+        lambda s: repo.request_cancel(s, job_id, viewer(token)),
+        what="a cancellation",
+        idempotent=True,  # setting the flag twice is setting it once
+    )
     if job is None:
         raise not_found("conversion", job_id)
     if job.status in ("succeeded", "failed"):
         raise conflict(f"conversion {job_id} already {job.status}; nothing to cancel")
-    session.commit()
     return json_response(to_schema(job))

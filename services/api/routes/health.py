@@ -18,7 +18,7 @@ from sqlalchemy import func, select, text
 from services.api import schemas
 from services.api.deps import SettingsDep, app_store, lookup_token
 from services.db.models import Job
-from services.db.session import session_scope
+from services.db.session import run_unit
 from services.redact import redact_text
 
 router = APIRouter(tags=["operations"])
@@ -43,8 +43,7 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
     presented = _presented_token(request)
 
     def db() -> str:
-        with session_scope(settings) as s:
-            s.execute(text("SELECT 1"))
+        run_unit(settings, lambda s: s.execute(text("SELECT 1")), what="the health check", read_only=True)
         return "ok"
 
     def broker() -> str:
@@ -89,8 +88,12 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
 def metrics(request: Request, settings: SettingsDep) -> Response:
     gauge = request.app.state.jobs_gauge
     try:
-        with session_scope(settings) as s:
-            counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        counts = run_unit(
+            settings,
+            lambda s: dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all()),
+            what="the job metrics",
+            read_only=True,
+        )
         for st in ("queued", "running", "succeeded", "failed", "cancelled"):
             gauge.labels(st).set(counts.get(st, 0))
     except Exception:  # the scrape still answers with request metrics when the DB is down
