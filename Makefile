@@ -11,7 +11,10 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
 
-.PHONY: install vllm-venv demo test lint bench-repack bench-convert bench-runtime llamacpp-venv bench-api bench-moe bench-vllm gpu-check clean
+# Flakiness, measured: the `timing` tests rerun N times under a CPU hog (RUNS=10), failures per test.
+RUNS ?= 10
+
+.PHONY: flaky install vllm-venv demo test lint bench-repack bench-convert bench-runtime llamacpp-venv bench-api bench-moe bench-vllm gpu-check clean
 
 install: $(STAMP)
 
@@ -50,6 +53,10 @@ test: install vllm-venv
 	command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose unavailable: its test will skip"
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow and not gpu" --durations=15 $(PYTEST_ARGS)
+
+flaky: install
+	bash infra/ensure-services.sh
+	$(PY) bench/flaky.py --runs $(RUNS)
 
 lint: install
 	$(VENV)/bin/ruff check .

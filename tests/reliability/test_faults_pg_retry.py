@@ -26,6 +26,8 @@ from services.worker.jobs import run_job
 from tests.reliability.pg_kill import BackendKiller, terminate_connections
 from tests.services.conftest import create_token, make_settings
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 RETRY_LOG = "retrying on a new connection"
 STORM_ROUNDS = 20
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.reliability.faults import artifact_rows, submit
 from tests.reliability.pg_kill import terminate_connections
 from tests.services.conftest import wait_for_job
 from tests.services.stack import Stack
+
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
 
 
 def test_api_and_worker_reconnect_after_connections_are_dropped(

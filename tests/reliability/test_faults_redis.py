@@ -12,6 +12,8 @@ from tests.reliability.faults import ThrowawayRedis, artifact_rows, submit
 from tests.services.conftest import free_port, wait_for_job
 from tests.services.stack import Stack
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 TARGETS = ["cpu", "sm80", "sm90"]  # one source, a distinct artifact per job
 WORKER_ENV = {
     "KILN_CONVERT_LAYER_DELAY_S": "0.2",  # ≈2 s per job: one runs while the others wait in Redis

@@ -21,6 +21,8 @@ from tests.reliability.faults import submit
 from tests.services.conftest import free_port, make_settings, wait_for_job
 from tests.services.stack import Stack
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 S3_MAX_ATTEMPTS = "2"  # boto3 retries per request (standard mode, backoff between them)
 WORKER_ENV = {
     "KILN_CONVERT_LAYER_DELAY_S": "0.3",  # slow enough to stop the store while files are staged

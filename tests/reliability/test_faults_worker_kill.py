@@ -21,6 +21,8 @@ from tests.reliability.faults import artifact_rows, submit
 from tests.services.conftest import wait_for_job
 from tests.services.stack import Stack
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 LAYER_DELAY_S = "0.2"  # ≈2 s of converting per attempt: room to land a kill anywhere in it
 MAX_KILL_OFFSET_S = 2.5  # a kill lands this long (at most) after its attempt started
 RUNNING_TIMEOUT_S = 60

@@ -22,7 +22,7 @@ from runtime.serve_cli import run_beside_engine
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 from tests.runtime.serving import MODEL_NAME, wait_healthy
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timing]
 
 STREAM_TOKENS = 48
 

@@ -20,6 +20,8 @@ from services.demo.processes import Server
 from tests.runtime.artifact_factory import write_artifact
 from tests.runtime.serving import MODEL_NAME, serve_artifact
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "The capital of", "1 2 3 4 5", "hello"]
 MAX_TOKENS = 12

@@ -17,6 +17,8 @@ from services.storage.local import LocalStore
 from services.worker.jobs import TransientJobError, run_job
 from tests.services.conftest import create_token, free_port, make_settings, wait_for_job
 
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
+
 
 def test_embedded_api_converts_with_sqlite_and_a_local_store(
     tmp_path: Path, tiny_checkpoint: Path, serve_app: Callable[..., str]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import func, select, update
 
 from runtime.artifact.manifest import Manifest
@@ -21,6 +22,8 @@ from services.db.models import Artifact, ArtifactFile, Job
 from services.db.session import session_scope
 from tests.services.conftest import TEST_VISIBILITY_TIMEOUT_S, WorkerProcess, wait_for_job
 from tests.services.stack import Stack, sha256_bytes
+
+pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
 
 SLOW_LAYER_S = "0.3"  # tiny model: 8 fused layers per target -> ≈3 s per conversion
 
