@@ -1,6 +1,6 @@
 """Repository functions: every SQL read and write the API, the worker and the CLI perform.
 
-Functions take a Session inside a transaction (see `session_scope`) and never commit themselves.
+Functions take a Session (from `run_unit` or `session_scope`) and never commit themselves.
 """
 
 from __future__ import annotations

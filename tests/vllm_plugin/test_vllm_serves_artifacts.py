@@ -5,6 +5,8 @@ vLLM's model is still a view of the artifact's memory mapping after vLLM finishe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 from services.convert.library import ConversionRequest, convert
 from tests.helpers.synthetic import write_checkpoint
 from tests.runtime.serving import MODEL_NAME, serve_artifact
-from tests.vllm_plugin.vllm_host import run_to_exit, vllm_serve
+from tests.vllm_plugin.vllm_host import VllmLaunch, launch, run_to_exit
 
 pytestmark = pytest.mark.vllm
 
@@ -41,16 +43,45 @@ def _prompt_logprobs(body: dict[str, Any]) -> tuple[list[str], list[float]]:
     return tokens[:n], [v for v in values[1:n]]  # the first prompt token has no context
 
 
+@contextmanager
+def launched_together(
+    artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VllmLaunch]]:
+    """`vllm serve` for every artifact, all started at once (start-up is mostly imports, one core
+    each, so two cores start them in about half the time one after the other would take); each test
+    waits for its own and stops it. Whatever is left is stopped at the end."""
+    launches: dict[str, VllmLaunch] = {}
+    try:
+        for name, artifact in artifacts.items():
+            launches[name] = launch(artifact, tmp_path_factory.mktemp(f"vllm-{name}"))
+        yield launches
+    finally:
+        for started in launches.values():
+            started.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_launches(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VllmLaunch]]:
+    with launched_together({f: request.getfixturevalue(f) for f in ARTIFACTS}, tmp_path_factory) as launches:
+        yield launches
+
+
 @pytest.mark.parametrize("fixture", ARTIFACTS)
 def test_vllm_serves_a_kiln_artifact_as_kiln_serve_does(
-    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+    fixture: str, request: pytest.FixtureRequest, smollm2_launches: dict[str, VllmLaunch]
 ) -> None:
     artifact: Path = request.getfixturevalue(fixture)
     completion = {"prompt": TEXT, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
-    with vllm_serve(artifact, tmp_path) as vllm:
+    started = smollm2_launches[fixture]
+    try:
+        vllm = started.ready()
         report = vllm.report
         answer = vllm.chat(messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0)
         from_vllm = vllm.completions(**completion)
+    finally:
+        started.stop()
 
     # No tensor transform at load: after vLLM's whole load (its post-processing included), every
     # parameter is a view of the artifact's mapping, none was copied, and none was replaced.
@@ -96,16 +127,38 @@ MOE_LOGPROB_MEDIAN_ATOL = 0.03
 MOE_LOGPROB_MEAN_ATOL = 0.05
 
 
+@pytest.fixture(scope="module")
+def moe_artifacts(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("moe-artifacts")
+    return {
+        f: Path(convert(ConversionRequest(str(request.getfixturevalue(f)), ["cpu"], out=str(out)))[0].uri)
+        for f in MOE_ARTIFACTS
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_launches(
+    moe_artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VllmLaunch]]:
+    with launched_together(moe_artifacts, tmp_path_factory) as launches:
+        yield launches
+
+
 @pytest.mark.parametrize("fixture", MOE_ARTIFACTS)
 def test_vllm_serves_a_kiln_moe_artifact_as_kiln_serve_does(
-    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+    fixture: str, moe_artifacts: dict[str, Path], moe_launches: dict[str, VllmLaunch]
 ) -> None:
-    source: Path = request.getfixturevalue(fixture)
-    artifact = Path(convert(ConversionRequest(str(source), ["cpu"], out=str(tmp_path / "out")))[0].uri)
+    artifact = moe_artifacts[fixture]
     completion = {"prompt": MOE_PROMPT, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
-    with vllm_serve(artifact, tmp_path) as vllm:
+    started = moe_launches[fixture]
+    try:
+        vllm = started.ready()
         report = vllm.report
         from_vllm = vllm.completions(**completion)
+    finally:
+        started.stop()
     # The only copies: the tiny models' 259-row embeddings and lm_head, which vLLM pads to 320 rows.
     assert report["views"] + len(report["copied"]) == report["parameters"], report["not_views"][:5]
     assert all("(padded from 259 to 320 rows)" in c for c in report["copied"]), report["copied"]

@@ -70,9 +70,43 @@ def start_command(artifact: Path, port: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@contextmanager
-def vllm_serve(artifact: Path, workdir: Path, *extra: str) -> Iterator[VllmServer]:
-    """`vllm serve` on a loopback port until it answers /health; its load report and log kept."""
+@dataclass
+class VllmLaunch:
+    """A `vllm serve` process started and not yet waited for: several can start at once (their
+    start-up is mostly single-threaded imports in three processes), each waited for when needed."""
+
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    report: Path
+    log: Path
+    deadline: float
+
+    def ready(self) -> VllmServer:
+        """Wait until it answers /health (at most STARTUP_TIMEOUT_S from its launch)."""
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"vllm serve exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > self.deadline:
+                raise AssertionError(
+                    f"vllm serve not ready in {STARTUP_TIMEOUT_S} s:\n{self.log.read_text()[-6000:]}"
+                )
+            time.sleep(0.5)
+        return VllmServer(self.base_url, "kiln-artifact", json.loads(self.report.read_text()), self.log)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def launch(artifact: Path, workdir: Path, *extra: str) -> VllmLaunch:
+    """Start `vllm serve` on a loopback port in its own process group; its load report and log go to
+    `workdir`."""
     port = free_port()
     report, log = workdir / "load-report.json", workdir / "vllm.log"
     with log.open("wb") as out:
@@ -84,25 +118,17 @@ def vllm_serve(artifact: Path, workdir: Path, *extra: str) -> Iterator[VllmServe
             cwd=workdir,
             start_new_session=True,
         )
-    base_url = f"http://127.0.0.1:{port}"
+    return VllmLaunch(proc, f"http://127.0.0.1:{port}", report, log, time.monotonic() + STARTUP_TIMEOUT_S)
+
+
+@contextmanager
+def vllm_serve(artifact: Path, workdir: Path, *extra: str) -> Iterator[VllmServer]:
+    """`vllm serve` on a loopback port until it answers /health; its load report and log kept."""
+    started = launch(artifact, workdir, *extra)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"vllm serve not ready in {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-6000:]}"
-                )
-            time.sleep(0.5)
-        yield VllmServer(base_url, "kiln-artifact", json.loads(report.read_text()), log)
+        yield started.ready()
     finally:
-        stop(proc)
+        started.stop()
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
