@@ -39,6 +39,7 @@ from services.api.app import create_app  # noqa: E402
 from services.db import migrate, repo  # noqa: E402
 from services.db.session import dispose_engines, get_engine, session_scope  # noqa: E402
 from services.settings import ServiceSettings  # noqa: E402
+from tests.reliability.pg_kill import terminate_connections  # noqa: E402
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -52,16 +53,6 @@ def add_pre_ping(engine: Engine) -> None:
             engine.dialect.do_ping(dbapi_conn)
         except engine.dialect.loaded_dbapi.Error as e:
             raise DisconnectionError(str(e)) from e
-
-
-def terminate_all(database: str) -> int:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as c:
-            sql = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d AND pid <> %s"
-            return len(c.execute(text(sql % "pg_backend_pid()"), {"d": database}).all())
-    finally:
-        admin.dispose()
 
 
 def serve(app: object) -> tuple[str, uvicorn.Server, threading.Thread]:
@@ -105,7 +96,7 @@ def measure(way: str, polls: int, rounds: int, workdir: Path) -> dict[str, float
                 client.get(f"/v1/conversions/{job_id}").raise_for_status()
                 times.append(time.perf_counter() - t)
             elapsed = time.perf_counter() - t0
-            failures = storm(client, job_id, database, rounds)
+            failures = storm(client, job_id, url, rounds)
         finally:
             client.close()
             server.should_exit = True
@@ -125,7 +116,7 @@ def measure(way: str, polls: int, rounds: int, workdir: Path) -> dict[str, float
         admin.dispose()
 
 
-def storm(client: httpx.Client, job_id: str, database: str, rounds: int) -> int:
+def storm(client: httpx.Client, job_id: str, database_url: str, rounds: int) -> int:
     failures = 0
     for i in range(rounds):
         barrier = threading.Barrier(4)
@@ -141,7 +132,7 @@ def storm(client: httpx.Client, job_id: str, database: str, rounds: int) -> int:
 
         def sweep(barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
-            terminate_all(database)
+            terminate_connections(database_url)
 
         requests = [
             lambda: client.get(f"/v1/conversions/{job_id}"),
