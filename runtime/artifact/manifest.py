@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.base import LinearSpec
 from kernels.errors import KilnError
@@ -40,6 +40,13 @@ MANIFEST_NAME = "manifest.json"
 # letters, digits, '_', '-' and '.', not starting with '.', so never '..', a path, or a hidden file.
 FILE_NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}"
 ARTIFACT_ID_PATTERN = r"ka-[0-9a-f]{32}"
+# Suffixes of the files a pull keeps next to an artifact's files while downloading (`<name>.part`,
+# its progress record `<name>.part.progress`, `<name>.part.progress.tmp`, `manifest.json.tmp`): no
+# artifact file may carry one, or a pull would overwrite or delete a file the manifest lists.
+PART_SUFFIX = ".part"
+PROGRESS_SUFFIX = ".part.progress"
+TMP_SUFFIX = ".tmp"
+RESERVED_SUFFIXES = (PART_SUFFIX, PROGRESS_SUFFIX, TMP_SUFFIX)
 _FILE_NAME_RE = re.compile(FILE_NAME_PATTERN)
 _ARTIFACT_ID_RE = re.compile(ARTIFACT_ID_PATTERN)
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -54,11 +61,19 @@ class UnsafeArtifactPathError(ManifestError):
 
 
 def check_file_name(name: str) -> str:
-    """`name` if it is a plain artifact file name (see FILE_NAME_PATTERN); else ValueError."""
+    """`name` if it is a plain artifact file name (see FILE_NAME_PATTERN) without a suffix the pull
+    cache reserves (RESERVED_SUFFIXES); else ValueError."""
     if not _FILE_NAME_RE.fullmatch(name):
         raise ValueError(
             f"file name {name[:80]!r} is not a plain file name of the artifact (one path component of "
             "letters, digits, '_', '-', '.', not starting with '.'); the manifest was tampered with"
+        )
+    reserved = next((s for s in RESERVED_SUFFIXES if name.endswith(s)), None)
+    if reserved is not None:
+        raise ValueError(
+            f"file name {name[:80]!r} ends in {reserved!r}, which `kiln pull` reserves for its own "
+            f"temporary files ({', '.join(RESERVED_SUFFIXES)}); the manifest was tampered with — "
+            "re-convert the artifact"
         )
     return name
 
@@ -262,7 +277,9 @@ class Manifest(_Model):
             )
         try:
             return cls.model_validate(data)
-        except (ValueError, RecursionError) as e:  # pydantic.ValidationError is a ValueError
+        except ValidationError as e:
+            raise ManifestError(f"{where}: invalid manifest: {_describe(e)}") from e
+        except (ValueError, RecursionError) as e:
             raise ManifestError(f"{where}: invalid manifest: {str(e)[:2000]}") from e
 
     @classmethod
@@ -271,6 +288,19 @@ class Manifest(_Model):
         if not path.is_file():
             raise ManifestError(f"{path} not found: not a committed Kiln artifact (conversion incomplete?)")
         return cls.parse(path.read_bytes(), str(path))
+
+
+def _describe(e: ValidationError, most: int = 5) -> str:
+    """Each problem as `field.path: message` (the value included by the message where it helps)."""
+    problems = []
+    for err in e.errors(include_url=False)[:most]:
+        where = ".".join(str(part) for part in err["loc"]) or "manifest"
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] != "value_error":
+            message += f" (got {str(err.get('input'))[:80]!r})"
+        problems.append(f"{where}: {message}")
+    more = e.error_count() - len(problems)
+    return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
 
 
 def source_digest(files: dict[str, str]) -> str:

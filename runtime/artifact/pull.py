@@ -34,8 +34,19 @@ from pathlib import Path
 from typing import Any
 
 from kernels.errors import KilnError
+from runtime.artifact.cache_files import (
+    create_fresh,
+    open_own_file,
+    read_own_file,
+    replace_atomically,
+    same_file,
+    sha256_fd,
+)
 from runtime.artifact.manifest import (
     MANIFEST_NAME,
+    PART_SUFFIX,
+    PROGRESS_SUFFIX,
+    TMP_SUFFIX,
     FileEntry,
     Manifest,
     ManifestError,
@@ -50,8 +61,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 8 << 20
 WORKERS = 8
-PART_SUFFIX = ".part"
-PROGRESS_SUFFIX = ".part.progress"
+# A progress record lists the ranges written (a few KB per GB); a larger one is not ours: start over.
+MAX_PROGRESS_RECORD_BYTES = 16 << 20
 
 
 class PullError(KilnError):
@@ -153,12 +164,6 @@ def pull(
     ).run()
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 class _S3Pull:
     def __init__(
         self,
@@ -256,9 +261,7 @@ class _S3Pull:
                 todo.append(entry)
         try:
             self._fetch_all(client, todo)
-            _tmp = self.dest / (MANIFEST_NAME + ".tmp")
-            _tmp.write_bytes(raw)
-            os.replace(_tmp, self.dest / MANIFEST_NAME)
+            replace_atomically(self.dest / MANIFEST_NAME, raw)
         except (ClientError, BotoCoreError) as e:
             raise PullError(f"{self.uri}: download failed ({e}); run the pull again to resume") from e
         except OSError as e:
@@ -285,14 +288,14 @@ class _S3Pull:
                 final,
                 final.with_name(final.name + PART_SUFFIX),
                 final.with_name(final.name + PROGRESS_SUFFIX),
-                final.with_name(final.name + PROGRESS_SUFFIX + ".tmp"),
+                final.with_name(final.name + PROGRESS_SUFFIX + TMP_SUFFIX),
             ):
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as err:
                     log.warning("%s: could not remove %s (%s)", self.uri, path, err)
         try:
-            (self.dest / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)
+            (self.dest / (MANIFEST_NAME + TMP_SUFFIX)).unlink(missing_ok=True)
             if created:
                 self.dest.rmdir()  # only if empty: a concurrent rank's files stay
         except OSError:
@@ -358,7 +361,10 @@ class _S3Pull:
 
 
 class _PartFile:
-    """`<name>.part` being filled by ranges, with its progress record `<name>.part.progress`."""
+    """`<name>.part` being filled by ranges, with its progress record `<name>.part.progress`.
+
+    Both are this pull's own files (runtime/artifact/cache_files.py): created fresh, and a `.part`
+    left by an interrupted pull is resumed only when it is a regular file with a single link."""
 
     def __init__(self, dest: Path, entry: FileEntry, chunk_size: int) -> None:
         self.entry = entry
@@ -371,43 +377,51 @@ class _PartFile:
         self.failed = False
         self._lock = threading.Lock()
         state = self._read_record()
+        fd = None
         if (
             state is not None
-            and self.part.is_file()
             and state.get("sha256") == entry.sha256
             and state.get("size") == entry.size
             and state.get("chunk_size") == chunk_size
         ):
-            self.done = set(state.get("done", []))
+            fd = open_own_file(self.part, os.O_RDWR)
+        if fd is not None and os.fstat(fd).st_size == entry.size:
+            done = state.get("done")
+            listed = done if isinstance(done, list) else []
+            self.done = {i for i in listed if isinstance(i, int) and 0 <= i < self.num_chunks}
             log.info(
                 "%s: resuming, %d of %d ranges already present", entry.name, len(self.done), self.num_chunks
             )
         else:
-            fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            if fd is not None:
+                os.close(fd)
+            fd = create_fresh(self.part)
             try:
                 os.ftruncate(fd, entry.size)
-            finally:
+            except OSError:
                 os.close(fd)
+                raise
             self._save()
-        self._fd = os.open(self.part, os.O_WRONLY | os.O_NOFOLLOW)  # never write through a symlink
+        self._fd = fd
 
     def _read_record(self) -> dict[str, Any] | None:
+        raw = read_own_file(self.record, MAX_PROGRESS_RECORD_BYTES)
+        if raw is None:
+            return None
         try:
-            data = json.loads(self.record.read_text())
-        except (OSError, ValueError):
+            data = json.loads(raw)
+        except ValueError:
             return None
         return data if isinstance(data, dict) else None
 
     def _save(self) -> None:
-        _write_json_atomic(
-            self.record,
-            {
-                "sha256": self.entry.sha256,
-                "size": self.entry.size,
-                "chunk_size": self.chunk_size,
-                "done": sorted(self.done),
-            },
-        )
+        state = {
+            "sha256": self.entry.sha256,
+            "size": self.entry.size,
+            "chunk_size": self.chunk_size,
+            "done": sorted(self.done),
+        }
+        replace_atomically(self.record, json.dumps(state).encode())
 
     def bytes_present(self) -> int:
         return sum(e - s for s, e in map(self.chunk_range, self.done))
@@ -435,12 +449,18 @@ class _PartFile:
         self.record.unlink(missing_ok=True)
 
     def publish(self) -> None:
-        self.close()
-        actual = sha256_file(self.part)
-        if actual != self.entry.sha256:
+        """Hash what this pull wrote (through its own descriptor) and rename it into place when the
+        sha256 is the manifest's and the `.part` path still names that file."""
+        try:
+            actual = sha256_fd(self._fd)
+            intact = same_file(self._fd, self.part)
+        finally:
+            self.close()
+        if actual != self.entry.sha256 or not intact:
             self.discard()
+            found = f"got {actual}" if intact else f"{self.part.name} was replaced during the pull"
             raise PullError(
-                f"{self.entry.name}: sha256 mismatch: expected {self.entry.sha256}, got {actual} — "
+                f"{self.entry.name}: sha256 mismatch: expected {self.entry.sha256}, {found} — "
                 "the stored file was altered or corrupted; it was not published "
                 "(re-convert or re-upload the artifact)"
             )
