@@ -29,6 +29,7 @@ import torch
 from runtime.kv_cache import CALIBRATION_TEXT, KVCache
 from runtime.loader import LoadedModel
 from runtime.sampling import (
+    NO_TOKEN,
     InvalidRequestError,
     SamplerRow,
     SamplingParams,
@@ -49,6 +50,10 @@ ContextParam = Literal["prompt", "max_tokens"]
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop has died: no request can be served (a 503; /health says so)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request could not go on (its logits could not be sampled): a 500 for it alone."""
 
 
 class ContextLengthError(InvalidRequestError):
@@ -124,6 +129,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated: int
     metrics: RequestMetrics
+    error: str | None = None  # set when this request alone failed (finish_reason "error")
 
 
 @dataclass
@@ -158,13 +164,19 @@ class _Sequence:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string (C-speed
+    comparisons, only at the tail's occurrences of each stop's first character)."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
+        if len(stop) < 2:
+            continue
+        tail = text[-(len(stop) - 1) :]
+        i = tail.find(stop[0])
+        while i >= 0 and len(tail) - i > best:
+            if stop.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(stop[0], i + 1)
     return best
 
 
@@ -228,6 +240,12 @@ class Engine:
         vocab = self.loaded.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        banned = {t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < vocab}
+        if params.min_tokens > 0 and len(banned) >= vocab:
+            raise InvalidRequestError(
+                "stop_token_ids and the EOS tokens cover the whole vocabulary: with min_tokens > 0 "
+                "no token could be generated; drop min_tokens or some stop_token_ids"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -295,7 +313,7 @@ class Engine:
             new_tokens, lps = sample(logits, [self._sampler_row(s) for s in batch])
             new_tokens = self._sync_tokens(new_tokens)
             for seq, tok, lp in zip(batch, new_tokens, lps, strict=True):
-                outputs.append(self._append_token(seq, tok, lp))
+                outputs.append(self._append_token(seq, tok, lp) if tok != NO_TOKEN else self._fail_row(seq))
 
         for seq in [s for s in self._running.values() if s.finished]:
             self._release(seq)
@@ -329,7 +347,7 @@ class Engine:
             logits = logits[-1]
         tokens, lps = sample(logits[None], [self._sampler_row(seq)])
         tokens = self._sync_tokens(tokens)
-        return self._append_token(seq, tokens[0], lps[0])
+        return self._append_token(seq, tokens[0], lps[0]) if tokens[0] != NO_TOKEN else self._fail_row(seq)
 
     def _append_token(self, seq: _Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         now = time.monotonic()
@@ -376,6 +394,29 @@ class Engine:
             num_prompt_tokens=len(seq.prompt_ids),
             num_generated=n_gen,
             metrics=m,
+        )
+
+    def _fail_row(self, seq: _Sequence) -> RequestOutput:
+        """End one request whose logits could not be sampled (NaN / +inf from the model, or no
+        finite logit left); the rest of the batch carries on."""
+        log.error("request %s: the model produced no samplable logits; ending it alone", seq.request_id)
+        seq.finished, seq.finish_reason = True, "error"
+        seq.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason="error",
+            logprobs=None,
+            prompt_logprobs=None,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_generated=len(seq.output_ids),
+            metrics=seq.metrics,
+            error=(
+                f"the model produced non-finite logits for this request after {len(seq.output_ids)} "
+                "generated tokens; it was ended alone (other requests are unaffected)"
+            ),
         )
 
     def _release(self, seq: _Sequence) -> None:
@@ -503,6 +544,8 @@ class AsyncEngine:
         if stream is None:
             return
         loop, queue = stream
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RequestFailedError(item.error)
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
         try:

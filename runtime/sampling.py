@@ -4,22 +4,27 @@ Logprobs are those of the raw model distribution (log_softmax of the logits, bef
 top-k and top-p), as vLLM reports them. `min_tokens` masks EOS and `stop_token_ids` until that many
 tokens were generated. A request with a `seed` samples from its own `torch.Generator`, so its output
 does not depend on what else is in the batch.
+
+One request's parameters or logits never harm another's: a temperature under `SAMPLING_EPS` is
+greedy (dividing by it overflows), non-finite parameters and banned sets covering the vocabulary are
+refused by `validate`, and a row whose logits hold no finite value gets `NO_TOKEN` — the engine
+ends that request alone with an error.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels.errors import KilnError
+from runtime import request_limits as limits
+from runtime.request_limits import InvalidRequestError
 
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM)
+NO_TOKEN = -1  # `sample`'s token for a row it could not sample (no finite logit)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed seed, as vLLM and torch take it
-
-
-class InvalidRequestError(KilnError):
-    """A request's parameters are invalid; the server answers 400 with this message."""
 
 
 @dataclass
@@ -39,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -47,8 +52,8 @@ class SamplingParams:
 
         if self.max_tokens < 1:
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -60,6 +65,7 @@ class SamplingParams:
                 raise bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         if any(not s for s in self.stop):
             raise bad("stop strings must not be empty")
+        limits.check_stop(self.stop, self.stop_token_ids)
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise bad(f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
@@ -106,33 +112,53 @@ class SamplerRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Next token of each row of (B, V) logits, plus its logprob entry when the row asked for one."""
+    """Next token of each row of (B, V) logits, plus its logprob entry when the row asked for one.
+    A row holding NaN or +inf, or no finite logit after its bans, gets `NO_TOKEN`; the other rows
+    are unaffected."""
     logits = logits.float().cpu()  # per-request CPU generators; .tolist() syncs anyway
     all_greedy = all(r.params.greedy and r.params.min_tokens <= r.num_generated for r in rows)
     if all_greedy and all(r.params.logprobs is None for r in rows):
-        return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+        broken = _broken_rows(logits).tolist()
+        best = logits.argmax(dim=-1).tolist()
+        return [NO_TOKEN if bad else t for t, bad in zip(best, broken, strict=True)], [None] * len(rows)
 
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
+    broken = _broken_rows(logits).tolist()
     for i, row in enumerate(rows):
-        p = row.params
-        raw = logits[i]
-        work = raw
-        if row.num_generated < p.min_tokens:
-            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if 0 <= t < raw.numel()]
-            if banned:
-                work = raw.clone()
-                work[banned] = float("-inf")
-        if p.greedy:
-            token = int(work.argmax())
-        else:
-            scaled = _apply_top_k_top_p(work / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=row.generator))
+        token = NO_TOKEN if broken[i] else _sample_row(logits[i], row)
         tokens.append(token)
+        p = row.params
         lps.append(
-            token_logprobs(torch.log_softmax(raw, dim=-1), token, p.logprobs)
-            if p.logprobs is not None
+            token_logprobs(torch.log_softmax(logits[i], dim=-1), token, p.logprobs)
+            if p.logprobs is not None and token != NO_TOKEN
             else None
         )
     return tokens, lps
+
+
+def _broken_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows of (B, V) logits a model failure left with NaN, +inf or no finite value."""
+    return logits.isnan().any(dim=-1) | logits.isposinf().any(dim=-1) | ~logits.isfinite().any(dim=-1)
+
+
+def _sample_row(raw: torch.Tensor, row: SamplerRow) -> int:
+    """One row's token from its (V,) fp32 logits (no NaN / +inf), or NO_TOKEN when its bans leave
+    no finite logit."""
+    p = row.params
+    work = raw
+    if row.num_generated < p.min_tokens:
+        banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if 0 <= t < raw.numel()]
+        if banned:
+            work = raw.clone()
+            work[banned] = float("-inf")
+    best = int(work.argmax())
+    if not math.isfinite(float(work[best])):
+        return NO_TOKEN
+    if p.greedy:
+        return best
+    scaled = _apply_top_k_top_p(work / p.temperature, p.top_k, p.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return best  # a distribution that degenerated numerically: its mode
+    return int(torch.multinomial(probs, 1, generator=row.generator))

@@ -119,8 +119,8 @@ def serve(
     api_key: Annotated[
         str | None,
         typer.Option(
-            help="Require `Authorization: Bearer <key>` on /v1/* (KILN_API_KEY); /health and /metrics "
-            "stay open.",
+            help="Require `Authorization: Bearer <key>` on every path (KILN_API_KEY) but /health, "
+            "/metrics and /version.",
             show_default=False,
         ),
     ] = None,
@@ -142,7 +142,7 @@ def serve(
     import uvicorn
 
     from kernels.errors import KilnError
-    from runtime.distributed import free_port
+    from runtime.distributed import private_rendezvous
     from runtime.engine import AsyncEngine, Engine
     from runtime.loader import LoadError, load_model
     from runtime.openai import build_app
@@ -160,6 +160,7 @@ def serve(
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
     followers: list[SpawnProcess] = []
+    rendezvous = Path()
     try:
         path = resolve_artifact(artifact, cache_dir, verify=verify)
         world_size = tp_size(path, tp)
@@ -169,10 +170,11 @@ def serve(
             )
             engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         else:
+            rendezvous = private_rendezvous()
             spec = RankSpec(
                 artifact=str(path),
                 world_size=world_size,
-                port=free_port(),
+                rendezvous=str(rendezvous),
                 device=device.value if device else None,
                 kv_cache_dtype=kv_cache_dtype.value,
                 max_num_seqs=max_num_seqs,
@@ -183,7 +185,7 @@ def serve(
             followers = start_followers(spec)
             leader, errors = load_rank(spec, 0, LeaderEngine)
             if leader is None:
-                stop_followers(None, followers)
+                stop_followers(None, followers, rendezvous)
                 raise LoadError("; ".join(errors))
             engine = leader
             loaded = engine.loaded
@@ -221,7 +223,7 @@ def serve(
     finally:
         if followers:
             assert isinstance(engine, LeaderEngine)
-            stop_followers(engine if not lost_rank else None, followers)
+            stop_followers(engine if not lost_rank else None, followers, rendezvous)
     if not started or lost_rank:
         raise typer.Exit(code=1)
 

@@ -40,7 +40,7 @@ class RuntimeSettings(BaseSettings):
     # --- serving ---------------------------------------------------------------------------------
     num_threads: int = 0  # 0: torch default
     serve_max_request_bytes: int = Field(default=8 << 20, gt=0)  # `kiln serve` bodies over this: 413
-    # `kiln serve --api-key`: clients send `Authorization: Bearer <key>` on /v1/* (as `vllm serve`)
+    # `kiln serve --api-key`: clients send `Authorization: Bearer <key>` (all but health/metrics/version)
     api_key: SecretStr | None = None
 
     def default_secret_offenders(self) -> list[str]:

@@ -6,17 +6,21 @@ with jinja2 (`ArtifactTokenizer`): importing transformers costs seconds and ≈2
 start. It keeps the slice of transformers' tokenizer API the runtime uses (`__call__`, `decode`,
 `convert_ids_to_tokens`, `convert_tokens_to_string`, `apply_chat_template`, the special tokens).
 Artifacts without `tokenizer.json` (SentencePiece-only sources) fall back to transformers'
-`AutoTokenizer`.
+`AutoTokenizer`. Either way only the files the artifact's manifest lists are read, each checked
+against it (runtime/artifact/listed_files.py).
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kernels.errors import KilnError
+from runtime.artifact.listed_files import ListedFiles
+from runtime.artifact.manifest import Manifest
 
 REPLACEMENT_CHAR = "\ufffd"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -66,11 +70,13 @@ class ArtifactTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
+    # The batch calls release the GIL (the single ones hold it): a server thread tokenizing a long
+    # prompt does not stall the event loop.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return str(self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0])
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
@@ -110,10 +116,10 @@ class ArtifactTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _read_chat_template(artifact_dir: Path, config: dict[str, Any]) -> str | None:
-    jinja = artifact_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
+def _read_chat_template(files: ListedFiles, config: dict[str, Any]) -> str | None:
+    jinja = files.text("chat_template.jinja")
+    if jinja is not None:
+        return jinja
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -121,32 +127,37 @@ def _read_chat_template(artifact_dir: Path, config: dict[str, Any]) -> str | Non
     return template if isinstance(template, str) else None
 
 
-def load_tokenizer(artifact_dir: Path) -> Any:
-    """The artifact's tokenizer: `ArtifactTokenizer` from tokenizer.json, else transformers'."""
+def load_tokenizer(artifact_dir: Path, manifest: Manifest | None = None) -> Any:
+    """The artifact's tokenizer, from the files its manifest lists only (each checked against the
+    manifest; runtime/artifact/listed_files.py): `ArtifactTokenizer` from tokenizer.json, else
+    transformers' from a directory holding just the listed files."""
     artifact_dir = Path(artifact_dir)
-    tokenizer_json = artifact_dir / "tokenizer.json"
-    if tokenizer_json.is_file():
+    files = ListedFiles(artifact_dir, manifest or Manifest.load(artifact_dir))
+    tokenizer_json = files.text("tokenizer.json")
+    if tokenizer_json is not None:
         from tokenizers import Tokenizer
 
-        config_path = artifact_dir / "tokenizer_config.json"
+        config = files.json_object("tokenizer_config.json") or {}
         try:
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-            return ArtifactTokenizer(
-                Tokenizer.from_file(str(tokenizer_json)), config, _read_chat_template(artifact_dir, config)
-            )
+            tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises plain Exception on bad JSON
             raise TokenizerError(
-                f"{tokenizer_json}: cannot load the tokenizer ({e}); re-convert the checkpoint"
+                f"{artifact_dir / 'tokenizer.json'}: cannot load the tokenizer ({e}); "
+                "re-convert the checkpoint"
             ) from e
+        return ArtifactTokenizer(tokenizer, config, _read_chat_template(files, config))
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(artifact_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise TokenizerError(
-            f"{artifact_dir}: cannot load the tokenizer ({e}); the artifact must contain the source's "
-            "tokenizer files (tokenizer.json / tokenizer_config.json) — re-convert the checkpoint"
-        ) from e
+    with tempfile.TemporaryDirectory(prefix="kiln-tokenizer-") as listed_only:
+        files.copy_into(Path(listed_only))
+        try:
+            return AutoTokenizer.from_pretrained(listed_only, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise TokenizerError(
+                f"{artifact_dir}: cannot load the tokenizer ({e}); the artifact's manifest must list "
+                "the source's tokenizer files (tokenizer.json / tokenizer_config.json) — re-convert "
+                "the checkpoint"
+            ) from e
 
 
 class IncrementalDetokenizer:

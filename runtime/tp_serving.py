@@ -7,6 +7,10 @@ requests that arrived, the aborts), every rank applies it and steps, the model a
 its row-parallel layers and rank 0's sampled tokens are broadcast (runtime/engine.py), so every
 rank schedules, samples and finishes requests identically. gloo on CPU, NCCL on CUDA.
 
+Trust: the ranks meet through a FileStore in a private (0700) directory, and gloo / NCCL are told to
+use the loopback interface, so nothing listens beyond this machine's loopback; what they exchange
+is JSON (step plans, load errors), never pickled objects.
+
 Failure handling: a rank that cannot load its shard says why and every rank exits (no rank waits
 for a peer that is gone); a follower that dies while serving makes rank 0 fail its requests,
 answer 503 on /health and exit 1; followers exit when rank 0 is gone (they watch their parent).
@@ -14,6 +18,8 @@ answer 503 on /health and exit 1; followers exit when rank 0 is gone (they watch
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -23,13 +29,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels.errors import KilnError
-from runtime.distributed import init_tensor_parallel, shutdown_tensor_parallel
+from runtime.distributed import init_tensor_parallel, remove_rendezvous, shutdown_tensor_parallel
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load_model
 from runtime.sampling import SamplingParams
@@ -48,7 +55,7 @@ class RankSpec:
 
     artifact: str
     world_size: int
-    port: int
+    rendezvous: str  # the private directory of the ranks' FileStore
     device: str | None
     kv_cache_dtype: str
     max_num_seqs: int
@@ -86,18 +93,52 @@ class LeaderEngine(Engine):
         self._send(None)
 
     def _send(self, plan: StepPlan | None) -> None:
-        dist.broadcast_object_list([plan], src=0)
+        broadcast_json(None if plan is None else plan_to_json(plan))
         self._last_sent = time.monotonic()
+
+
+def plan_to_json(plan: StepPlan) -> dict[str, Any]:
+    new = [[rid, ids, dataclasses.asdict(params)] for rid, ids, params in plan.new]
+    return {"new": new, "aborts": plan.aborts, "step": plan.step}
+
+
+def plan_from_json(data: dict[str, Any]) -> StepPlan:
+    new = [(str(rid), [int(t) for t in ids], SamplingParams(**params)) for rid, ids, params in data["new"]]
+    return StepPlan(new, [str(a) for a in data["aborts"]], bool(data["step"]))
+
+
+def broadcast_json(value: Any) -> Any:
+    """Rank 0's JSON value on every rank (its length, then its UTF-8 bytes, as tensors)."""
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.long)
+    dist.broadcast(size, src=0)
+    buf = torch.empty(int(size), dtype=torch.uint8)
+    if data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return json.loads(buf.numpy().tobytes())
+
+
+def all_gather_text(text: str | None) -> list[str | None]:
+    """Every rank's `text` (None: nothing to say), in rank order."""
+    data = json.dumps(text).encode()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.long))
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(bufs, mine)
+    return [json.loads(b[: int(n)].numpy().tobytes()) for b, n in zip(bufs, sizes, strict=True)]
 
 
 def follow(engine: Engine) -> None:
     """A follower's loop: apply rank 0's plans and step, until rank 0 says stop."""
     while True:
-        box: list[StepPlan | None] = [None]
-        dist.broadcast_object_list(box, src=0)
-        plan = box[0]
-        if plan is None:
+        data = broadcast_json(None)
+        if data is None:
             return
+        plan = plan_from_json(data)
         for request_id, prompt_ids, params in plan.new:
             engine.add_request(request_id, prompt_ids, params)
         for request_id in plan.aborts:
@@ -111,8 +152,8 @@ def load_rank(
 ) -> tuple[Engine | None, list[str]]:
     """Join the group, load this rank's shard and build its engine; then every rank learns whether
     all ranks did. Returns (engine, []) or (None, every rank's error)."""
-    init_tensor_parallel(rank, spec.world_size, master_port=spec.port, device=spec.device or "cpu",
-                         timeout=GROUP_TIMEOUT)  # fmt: skip
+    init_tensor_parallel(rank, spec.world_size, rendezvous=Path(spec.rendezvous),
+                         device=spec.device or "cpu", timeout=GROUP_TIMEOUT)  # fmt: skip
     engine: Engine | None = None
     error = None
     try:
@@ -128,8 +169,7 @@ def load_rank(
         error = f"rank {rank}: {e}"
     except Exception as e:  # any failure must reach the other ranks, or they wait for this one
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    errors: list[str | None] = [None] * spec.world_size
-    dist.all_gather_object(errors, error)
+    errors = all_gather_text(error)
     failed = [e for e in errors if e is not None]
     return (None, failed) if failed else (engine, [])
 
@@ -187,8 +227,11 @@ def watch_followers(procs: list[SpawnProcess], on_death: Callable[[str], None]) 
     return thread
 
 
-def stop_followers(engine: LeaderEngine | None, procs: list[SpawnProcess], timeout_s: float = 30) -> None:
-    """Tell the followers to stop (when the group still works), wait for them, then end the group."""
+def stop_followers(
+    engine: LeaderEngine | None, procs: list[SpawnProcess], rendezvous: Path, timeout_s: float = 30
+) -> None:
+    """Tell the followers to stop (when the group still works), wait for them, then end the group
+    and remove its rendezvous directory."""
     if engine is not None and all(p.is_alive() for p in procs):
         try:
             engine.stop_followers()
@@ -201,3 +244,4 @@ def stop_followers(engine: LeaderEngine | None, procs: list[SpawnProcess], timeo
             p.terminate()
             p.join(timeout=10)
     shutdown_tensor_parallel()
+    remove_rendezvous(rendezvous)

@@ -36,6 +36,7 @@ from runtime.openai.protocol import (
     VersionResponse,
 )
 from runtime.openai.serving import OpenAIServing
+from runtime.request_limits import InvalidRequestError
 from runtime.version import kiln_version
 
 if TYPE_CHECKING:
@@ -57,8 +58,8 @@ def build_app(
 
     With `manage_engine`, the app's lifespan starts the AsyncEngine's thread and shuts it down at
     exit. Bodies over `max_request_bytes` (default: the setting `serve_max_request_bytes`) get 413.
-    With `api_key`, every /v1/* request must carry `Authorization: Bearer <api_key>` (compared in
-    constant time) or gets 401; /health, /metrics and /version stay open, as with `vllm serve`.
+    With `api_key`, every request but /health, /metrics and /version must carry
+    `Authorization: Bearer <api_key>` (compared in constant time) or gets 401 (runtime/openai/auth.py).
     """
     serving = OpenAIServing(async_engine, served_model_name, tokenizer, max_model_len, root)
 
@@ -128,8 +129,9 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(req.model)
-        if any(not 0 <= t < len(tokenizer) for t in req.tokens):
-            raise OpenAIError(400, f"token ids must be in [0, {len(tokenizer)})", param="tokens")
+        vocab = len(tokenizer)
+        if req.tokens and not 0 <= min(req.tokens) <= max(req.tokens) < vocab:
+            raise OpenAIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return DetokenizeResponse(prompt=await serving.decode(req.tokens))
 
     @app.get("/tokenizer_info")
@@ -168,6 +170,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param).response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return engine_error(exc).response()  # a 400: answered here, not by the catch-all below
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

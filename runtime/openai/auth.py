@@ -1,8 +1,10 @@
-"""`kiln serve --api-key`: /v1/* requests must carry `Authorization: Bearer <key>`, as with `vllm serve`.
+"""`kiln serve --api-key`: every request must carry `Authorization: Bearer <key>`.
 
-The header is compared in constant time (hmac.compare_digest); a missing or wrong key is a 401 with
-OpenAI's error body (`code: invalid_api_key`). /health, /metrics and /version stay open for load
-balancers and scrapers.
+Every path but /health, /metrics and /version (open for load balancers and scrapers) is guarded:
+the API under /v1, /tokenize (which renders chat templates), /detokenize, /tokenizer_info, the
+OpenAPI pages and unknown paths alike. The header is compared in constant time
+(hmac.compare_digest); a missing or wrong key is a 401 with OpenAI's error body
+(`code: invalid_api_key`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.openai.errors import OpenAIError
 
-PROTECTED_PREFIX = "/v1"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class ApiKeyCheck:
@@ -23,8 +25,7 @@ class ApiKeyCheck:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/"):
+        if scope["type"] in ("http", "websocket") and scope.get("path", "") not in OPEN_PATHS:
             given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 await _unauthorized(send)

@@ -8,8 +8,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from runtime.chat import ChatTemplateError
-from runtime.engine import ContextLengthError, EngineDeadError
+from runtime.engine import ContextLengthError, EngineDeadError, RequestFailedError
 from runtime.openai.protocol import ErrorInfo, ErrorResponse
+from runtime.request_limits import RequestTooLargeError
 from runtime.sampling import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ def engine_error(e: Exception) -> OpenAIError:
     """The OpenAI error an exception raised while submitting or running a request means."""
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, RequestTooLargeError):
+        return OpenAIError(400, str(e), param=e.param, code="request_too_large")
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(500, str(e), type_="server_error", code="request_failed")
     if isinstance(e, ContextLengthError):
         return OpenAIError(400, str(e), param="messages", code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(e, InvalidRequestError | ChatTemplateError):

@@ -14,13 +14,47 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
+from runtime.request_limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_DETOKENIZE_IDS,
+    MAX_PROMPT_IDS,
+    MAX_PROMPTS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 # OpenAI's chat roles; others are refused with a 400 as the OpenAI API does.
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # not bool: `[true]` is not token id 1
+
+
+def at_most(cap: int) -> BeforeValidator:
+    """Refuse a list longer than `cap` before its items are validated (which costs per item)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > cap:
+            raise ValueError(f"has {len(value)} items; at most {cap} are allowed")
+        return value
+
+    return BeforeValidator(check)
+
+
+def prompt_at_most(value: Any) -> Any:
+    """A prompt list: at most MAX_PROMPTS prompts, or one prompt of at most MAX_PROMPT_IDS ids."""
+    if isinstance(value, list) and len(value) > MAX_PROMPTS:
+        if any(isinstance(item, str | list) for item in value[:1]):
+            raise ValueError(f"has {len(value)} prompts; at most {MAX_PROMPTS} are allowed per request")
+        if len(value) > MAX_PROMPT_IDS:
+            raise ValueError(f"has {len(value)} token ids; at most {MAX_PROMPT_IDS} are allowed")
+    return value
+
+
+# Long id lists (prompts, ids to detokenize) are validated as plain ints, five times faster than
+# TokenId; their range is checked against the vocabulary afterwards (min / max).
+TokenIds = Annotated[list[StrictInt], at_most(MAX_PROMPT_IDS)]
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -29,20 +63,28 @@ TokenId = Annotated[StrictInt, Field(ge=0)]  # not bool: `[true]` is not token i
 def lone_surrogate_path(value: Any, path: str = "body") -> str | None:
     """Path of the first string (or key) holding a lone UTF-16 surrogate, or None. JSON allows
     "\\ud800", but it is not valid Unicode text and cannot be tokenized."""
+    found = _surrogate_at(value)
+    return None if found is None else path + "".join(reversed(found))
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _surrogate_at(value: Any) -> list[str] | None:
+    """The path segments (innermost first) to the first lone surrogate in `value`, or None. Only
+    containers and strings are visited, so a long list of token ids costs one type check per id."""
     if isinstance(value, str):
-        return None if value.isascii() or not _has_surrogate(value) else path
+        return None if value.isascii() or not _has_surrogate(value) else []
     if isinstance(value, dict):
-        children = [(f"{path}.{_printable(key)}", key, item) for key, item in value.items()]
-    elif isinstance(value, list):
-        children = [(f"{path}[{i}]", None, item) for i, item in enumerate(value)]
-    else:
-        return None
-    for where, key, item in children:
-        if isinstance(key, str) and _has_surrogate(key):
-            return where
-        found = lone_surrogate_path(item, where)
-        if found is not None:
-            return found
+        for key, item in value.items():
+            if isinstance(key, str) and _has_surrogate(key):
+                return [f".{_printable(key)}"]
+            if isinstance(item, str | dict | list) and (inner := _surrogate_at(item)) is not None:
+                return [*inner, f".{_printable(key)}"]
+    elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):
+        for i, item in enumerate(value):
+            if isinstance(item, str | dict | list) and (inner := _surrogate_at(item)) is not None:
+                return [*inner, f"[{i}]"]
     return None
 
 
@@ -87,8 +129,8 @@ class _Sampling(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Annotated[str | list[str] | None, at_most(MAX_STOP_STRINGS)] = None
+    stop_token_ids: Annotated[list[TokenId] | None, at_most(MAX_STOP_TOKEN_IDS)] = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -130,7 +172,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     # str | list[str] | list[int] (one tokenized prompt) | list[list[int]] (a batch of them)
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Annotated[str | TokenIds | list[str] | list[TokenIds], BeforeValidator(prompt_at_most)]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -153,7 +195,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_CHAT_MESSAGES), Field(min_length=1)]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -193,14 +235,14 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage] | None, at_most(MAX_CHAT_MESSAGES)] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[StrictInt], at_most(MAX_DETOKENIZE_IDS)]
 
 
 # --- responses ------------------------------------------------------------------------------------

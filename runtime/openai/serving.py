@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fastapi import Request
 
+from runtime import request_limits as limits
 from runtime.chat import ChatTemplateError, apply_chat_template
 from runtime.engine import AsyncEngine, ContextLengthError, RequestOutput, resolve_max_tokens
 from runtime.metrics import RequestTracker, ServerMetrics
@@ -111,6 +112,12 @@ class Submitted(NamedTuple):
     rest: AsyncGenerator[RequestOutput, None]
 
 
+def _message_text(message: dict[str, Any]) -> str:
+    """What a chat message adds to the rendered prompt, as the prompt cap counts it."""
+    content = message.get("content")
+    return content if isinstance(content, str) else str(content or "")
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -193,16 +200,19 @@ class OpenAIServing:
                 param="prompt",
             )
         if texts is not None:
+            limits.check_prompt_chars(texts, self.max_model_len, "prompt")
             tokenizer = self.tokenizer
             batch = await asyncio.to_thread(lambda: [list(tokenizer(t)["input_ids"]) for t in texts])
         return batch
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        limits.check_prompt_chars([text], self.max_model_len, "prompt")
         encoding = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return list(encoding["input_ids"])
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """The chat template applied and tokenized."""
+        limits.check_messages([_message_text(m) for m in messages], self.max_model_len)
         try:
             return await asyncio.to_thread(
                 apply_chat_template, self.tokenizer, messages, add_generation_prompt=add_generation_prompt

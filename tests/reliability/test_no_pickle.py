@@ -11,6 +11,8 @@ UNSAFE = (
     re.compile(r"^\s*(import pickle|from pickle import|import cloudpickle|import dill)", re.M),
     re.compile(r"\bpickle\.loads?\("),
     re.compile(r"weights_only\s*=\s*False"),
+    # torch.distributed's object collectives pickle and unpickle what peers send
+    re.compile(r"\b(broadcast|all_gather|gather|scatter|send|recv)_object(_list)?\("),
 )
 
 

@@ -7,11 +7,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
-from runtime.engine import AsyncEngine, ContextLengthError, Engine, RequestOutput
+from runtime.engine import AsyncEngine, ContextLengthError, Engine, RequestFailedError, RequestOutput
 from runtime.loader import load_model
 from runtime.sampling import InvalidRequestError, SamplingParams
+from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 
 
 def greedy(n: int) -> SamplingParams:
@@ -159,3 +161,43 @@ def test_kiln_generate_prints_completion_and_speed(llama_artifact: tuple[PreTrai
     )
     assert result.exit_code == 0, result.output
     assert "tok/s" in result.output and "load" in result.output
+
+
+def test_a_request_whose_logits_break_fails_alone(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
+    """A prompt reaching a poisoned (NaN) embedding row: that request alone ends with an error (a
+    RequestFailedError from AsyncEngine); the request batched with it decodes as if alone."""
+    clean = llama_artifact[1]
+    innocent_prompt, n = [8, 9, 10, 11], 12
+    engine = Engine(load_model(clean), max_num_seqs=2, max_model_len=96)
+    engine.add_request("alone", innocent_prompt, greedy(n))
+    expected = _tokens(_drain(engine)["alone"])
+    poison = next(t for t in range(100, 250) if t not in expected + innocent_prompt)
+    broken = tiny_hf_model("llama")
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[poison] = float("nan")
+    engine = Engine(load_model(write_artifact(broken, tmp_path)), max_num_seqs=2, max_model_len=96)
+
+    async def both() -> tuple[list[int], BaseException | None]:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+
+            async def run(rid: str, prompt: list[int]) -> list[int]:
+                return [
+                    t async for o in async_engine.generate(rid, prompt, greedy(n)) for t in o.new_token_ids
+                ]
+
+            innocent, hostile = await asyncio.gather(
+                run("innocent", innocent_prompt), run("hostile", [poison, 8]), return_exceptions=True
+            )
+        finally:
+            async_engine.shutdown()
+        assert isinstance(innocent, list), innocent
+        return innocent, hostile if isinstance(hostile, BaseException) else None
+
+    innocent, error = asyncio.run(both())
+    assert innocent == expected
+    assert isinstance(error, RequestFailedError) and "non-finite logits" in str(error)
+    assert engine.num_running == 0 and sorted(engine._free_slots) == [0, 1]

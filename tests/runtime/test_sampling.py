@@ -10,7 +10,8 @@ from transformers import PreTrainedModel
 
 from runtime.engine import Engine, RequestOutput
 from runtime.loader import load_model
-from runtime.sampling import InvalidRequestError, SamplerRow, SamplingParams, sample
+from runtime.request_limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from runtime.sampling import NO_TOKEN, SAMPLING_EPS, InvalidRequestError, SamplerRow, SamplingParams, sample
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 LOGPROB_ATOL = 1e-4
@@ -67,6 +68,12 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
         SamplingParams(logprobs=21),
         SamplingParams(min_tokens=5, max_tokens=2),
         SamplingParams(stop=[""]),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(temperature=float("inf")),
+        SamplingParams(top_p=float("nan")),
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1)),
+        SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]),
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)),
     ],
 )
 def test_invalid_params_are_refused(params: SamplingParams) -> None:
@@ -124,3 +131,31 @@ def test_prompt_logprobs_match_transformers(llama_artifact: tuple[PreTrainedMode
         entry = plp[i]
         assert entry is not None and entry.token_id == prompt[i]
         assert abs(entry.logprob - float(ref[i - 1, prompt[i]])) < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-45),  # greedy: dividing by it would overflow to ±inf
+        SamplingParams(temperature=SAMPLING_EPS / 2, top_p=5e-324),
+        SamplingParams(temperature=1.0, top_p=5e-324),  # the mode alone
+        SamplingParams(temperature=2.0, top_k=1),
+    ],
+)
+def test_degenerate_parameters_sample_the_mode(params: SamplingParams) -> None:
+    logits = torch.tensor([[1.0, 7.0, 3.0, -2.0]])
+    for seed in range(20):
+        assert sample(logits, [_row(params, seed=seed)])[0] == [1]
+
+
+def test_a_row_without_samplable_logits_fails_alone() -> None:
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(2))
+    logits[1, 3] = float("nan")  # a model failure in one row
+    logits[2, 5] = float("inf")
+    everything_banned = SamplingParams(temperature=0.8, min_tokens=3, stop_token_ids=list(range(12)))
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, logprobs=2)):
+        rows = [_row(params, seed=1), _row(params, seed=1), _row(params, seed=1), _row(everything_banned)]
+        tokens, lps = sample(logits, rows)
+        assert tokens[1:] == [NO_TOKEN, NO_TOKEN, NO_TOKEN]
+        assert 0 <= tokens[0] < 12 and tokens[0] == sample(logits[:1], rows[:1])[0][0]
+        assert lps[1:] == [None, None, None]

@@ -1,9 +1,11 @@
 """`kiln serve` on a TP-sharded artifact launches its ranks itself (gloo on CPU): the same greedy
-completions as the unsharded artifact under concurrent requests, a clean stop that takes the ranks
-with it, and a rank that dies makes the server fail its requests and exit 1."""
+completions as the unsharded artifact under concurrent requests, no socket of the ranks listening
+beyond loopback, a clean stop that takes the ranks with it, and a rank that dies makes the server
+fail its requests and exit 1."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from transformers import PreTrainedModel
 
@@ -37,6 +40,16 @@ def completions(base_url: str, model: str) -> list[str]:
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: batched decode across the ranks
         return list(pool.map(one, PROMPTS))
+
+
+def exposed_sockets(pids: list[int]) -> list[str]:
+    """The listening TCP sockets of these processes bound beyond loopback."""
+    found = []
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and not ipaddress.ip_address(conn.laddr.ip).is_loopback:
+                found.append(f"pid {pid} listens on {conn.laddr.ip}:{conn.laddr.port}")
+    return found
 
 
 def rank_pids(pid: int) -> list[int]:
@@ -72,6 +85,7 @@ def test_tp2_served_by_kiln_serve_matches_tp1_and_stops_its_ranks(
     with kiln_serve(artifact, log, "--tp", "2") as (proc, url):
         ranks = rank_pids(proc.pid)
         assert len(ranks) == 1, log.read_text()[-2000:]  # rank 1; rank 0 is the server itself
+        assert not exposed_sockets([proc.pid, *ranks])  # the ranks meet on loopback only
         assert completions(url, "tiny") == expected
         assert completions(url, "tiny") == expected  # the ranks stay in step across requests
         proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from runtime.distributed import free_port, init_tensor_parallel, shutdown_tensor_parallel
+from runtime.distributed import init_tensor_parallel, shutdown_tensor_parallel
 from runtime.engine import Engine
 from runtime.loader import load_model
 from runtime.sampling import SamplingParams
@@ -35,10 +35,16 @@ def single_process_tokens(artifact: Path, prompts: list[list[int]], max_tokens: 
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, artifact: str, out: str, prompts: list[list[int]], max_tokens: int
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    artifact: str,
+    out: str,
+    prompts: list[list[int]],
+    max_tokens: int,
 ) -> None:
     torch.set_num_threads(1)
-    init_tensor_parallel(rank, world_size, master_port=port)
+    init_tensor_parallel(rank, world_size, rendezvous=Path(rendezvous))
     try:
         loaded = load_model(Path(artifact), rank=rank, world_size=world_size)
         engine = Engine(loaded, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
@@ -51,6 +57,8 @@ def ranks_tokens(
     artifact: Path, world_size: int, out: Path, prompts: list[list[int]], max_tokens: int
 ) -> list[dict[str, list[int]]]:
     """Every rank's greedy tokens, the ranks run as `world_size` gloo processes."""
-    args = (world_size, free_port(), str(artifact), str(out), prompts, max_tokens)
+    rendezvous = out / "rendezvous"
+    rendezvous.mkdir(mode=0o700)
+    args = (world_size, str(rendezvous), str(artifact), str(out), prompts, max_tokens)
     mp.spawn(_rank_main, args=args, nprocs=world_size, join=True)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
