@@ -36,6 +36,7 @@ class ServiceSettings(RuntimeSettings):
     # --- broker / worker ----------------------------------------------------------------------
     broker_url: str = ""  # empty: jobs run in a worker thread inside `kiln api` (embedded mode)
     max_job_attempts: int = 3
+    # Every worker: Celery's soft time limit; the embedded worker's threads check it between layers.
     job_soft_time_limit_s: int = 3 * 3600
     job_hard_time_limit_s: int = 3 * 3600 + 600
     broker_visibility_timeout_s: int = 4 * 3600

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import torch
 
 from services.convert.errors import ConversionError, NotACheckpointError, UnsupportedError
+from services.convert.limits import check_dimensions, check_json_size
 from services.convert.safetensors_io import (
     DTYPES,
     TensorInfo,
@@ -190,8 +191,10 @@ class Checkpoint:
 
 
 def _read_json(source: SourceReader, name: str) -> dict[str, Any]:
+    size = source.size(name)
+    check_json_size(source.uri, name, size)
     try:
-        data = json.loads(source.read_bytes(name))
+        data = json.loads(source.read_range(name, 0, size))
     except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, over-long numbers, deep nesting
         raise ConversionError(f"{source.uri}/{name} is not valid JSON ({str(e)[:200]}); fix the file") from e
     if not isinstance(data, dict):
@@ -267,5 +270,6 @@ def open_checkpoint(source: SourceReader) -> Checkpoint:
             if info.end > size:
                 raise ConversionError(f"{file}: tensor {name} extends past the end of the file (truncated?)")
             tensors[name] = info
+    check_dimensions(config, tensors)
     log.info("opened %s: %d tensors in %d files", source.uri, len(tensors), len(files))
     return Checkpoint(source=source, config=config, tensors=tensors, weight_files=files, side_configs=side)

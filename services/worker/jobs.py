@@ -98,8 +98,21 @@ class ProgressWriter:
             log.warning("job %s: progress not recorded (%s)", self.job_id, e)
 
 
+class JobTimeLimitExceeded(KilnError):
+    """The attempt ran past KILN_JOB_SOFT_TIME_LIMIT_S (checked between layers by every worker)."""
+
+
+def time_limit_message(settings: ServiceSettings) -> str:
+    return (
+        f"exceeded the time limit of {settings.job_soft_time_limit_s} s; "
+        "raise KILN_JOB_SOFT_TIME_LIMIT_S (and the broker visibility timeout) for larger models"
+    )
+
+
 class CancelCheck:
-    """`should_cancel` for the converter: reads the job row (called between layers).
+    """`should_cancel` for the converter: reads the job row (called between layers), and ends the
+    attempt once it has run for `job_soft_time_limit_s`: the embedded worker's threads have no
+    Celery time limit, so this is their limit (under Celery the soft limit usually fires first).
 
     `ServiceSettings.convert_layer_delay_s` sleeps here first: a documented test/demo aid that makes a
     conversion slow enough to cancel or kill mid-flight. It is 0 in production.
@@ -108,10 +121,13 @@ class CancelCheck:
     def __init__(self, job_id: str, settings: ServiceSettings) -> None:
         self.job_id = job_id
         self.settings = settings
+        self.deadline = time.monotonic() + settings.job_soft_time_limit_s
 
     def __call__(self) -> bool:
         if self.settings.convert_layer_delay_s > 0:
             time.sleep(self.settings.convert_layer_delay_s)
+        if time.monotonic() > self.deadline:
+            raise JobTimeLimitExceeded(time_limit_message(self.settings))
         try:
             return run_unit(
                 self.settings,
@@ -302,14 +318,8 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
     except Cancelled as e:
         _finish(job_id, "cancelled", public_error(f"cancelled: {e}", spec.source), settings)
         return "cancelled"
-    except SoftTimeLimitExceeded:
-        _finish(
-            job_id,
-            "failed",
-            f"exceeded the time limit of {settings.job_soft_time_limit_s} s; "
-            "raise KILN_JOB_SOFT_TIME_LIMIT_S (and the broker visibility timeout) for larger models",
-            settings,
-        )
+    except (SoftTimeLimitExceeded, JobTimeLimitExceeded):
+        _finish(job_id, "failed", time_limit_message(settings), settings)
         return "failed"
     except Exception as e:
         if is_transient(e):

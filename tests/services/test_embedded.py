@@ -107,3 +107,26 @@ def test_embedded_api_converts_a_moe_checkpoint_expert_parallel(
         QWEN3_MOE_TINY.num_experts // 2,
         QWEN3_MOE_TINY.num_experts,
     )
+
+
+def test_the_embedded_worker_enforces_the_job_time_limit(
+    tmp_path: Path, tiny_checkpoint: Path, serve_app: Callable[..., str]
+) -> None:
+    """The embedded worker's threads have no Celery time limit: KILN_JOB_SOFT_TIME_LIMIT_S is checked
+    between layers, and a job past it fails saying which setting to raise, leaving nothing behind."""
+    settings = Settings(
+        _env_file=None, data_dir=tmp_path / "var", environment="development",
+        job_soft_time_limit_s=1, convert_layer_delay_s=0.5,
+    )  # type: ignore[call-arg]  # fmt: skip
+    migrate.upgrade(settings.resolved_database_url)
+    url = serve_app(create_app(settings))
+    token = create_token(settings)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        r = client.post("/v1/conversions", json={"source": str(tiny_checkpoint), "targets": ["cpu"]})
+        assert r.status_code == 202, r.text
+        job = wait_for_job(client, r.json()["id"], timeout=120)
+    assert job["status"] == "failed", job
+    error = job["error"]
+    assert error.startswith("exceeded the time limit of 1 s") and "KILN_JOB_SOFT_TIME_LIMIT_S" in error
+    store = LocalStore(settings.resolved_store_url)
+    assert store.list_ids() == [] and store.staging_entries() == []

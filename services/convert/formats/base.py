@@ -175,15 +175,6 @@ def cfg_dict(q: dict[str, Any], key: str, fmt: str) -> dict[str, Any]:
     return v
 
 
-def cfg_regex(pattern: str, field: str, fmt: str) -> re.Pattern[str]:
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise QuantConfigError(
-            f"{fmt} quantization config {field}: {pattern!r} is not a valid regular expression ({e})"
-        ) from e
-
-
 class CheckpointFormat(ABC):
     """One checkpoint format. Instances are configured for one checkpoint by `detect`."""
 

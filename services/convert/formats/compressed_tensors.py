@@ -5,14 +5,13 @@ Supported schemes: pack-quantized int 4/8-bit weight-only (group/channel, sym/as
 kernels quantize activations dynamically) and int-quantized / naive-quantized int8 weights: W8A8 with
 dynamic per-token symmetric int8 activations where the config declares them (SmoothQuant-style W8A8;
 weight-only kernels run such layers as W8A16), else W8A16. `ignore` entries are exact names or
-`re:` regexes (re.match); `targets` match a module by exact name, `re:` regex, or a vLLM layer class
-name containing the target (so "Linear" matches every projection but not lm_head, whose class is
-ParallelLMHead).
+`re:` regexes (re.match semantics, run under RE2: services/convert/patterns.py); `targets` match a
+module by exact name, `re:` regex, or a vLLM layer class name containing the target (so "Linear"
+matches every projection but not lm_head, whose class is ParallelLMHead).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +31,9 @@ from services.convert.formats.base import (
     cfg_dict,
     cfg_int,
     cfg_list,
-    cfg_regex,
 )
 from services.convert.formats.gptq import with_explicit_g_idx
+from services.convert.patterns import REGEX_PREFIX, NameMatcher, PatternCompiler
 
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"
@@ -54,15 +53,10 @@ SCHEME_FIELDS = frozenset({"targets", "weights", "input_activations", "output_ac
 class _Group:
     name: str
     targets: tuple[str, ...]
+    matcher: NameMatcher  # the targets that are module names or `re:` patterns
     weights: dict[str, Any]
     input_activations: dict[str, Any] | None
     format: str
-
-
-def _matches(name: str, pattern: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern
 
 
 def _strategy(args: dict[str, Any], where: str) -> str:
@@ -100,7 +94,8 @@ class CompressedTensorsFormat(CheckpointFormat):
             raise UnsupportedError(
                 f"compressed-tensors transforms are not supported. {SUPPORTED_FORMATS_MESSAGE}"
             )
-        self.ignore = [str(x) for x in cfg_list(q, "ignore", "compressed-tensors")]
+        patterns = PatternCompiler("compressed-tensors")
+        self.ignore = patterns.names(cfg_list(q, "ignore", "compressed-tensors"), "ignore")
         self.groups: list[_Group] = []
         for gname, g in cfg_dict(q, "config_groups", "compressed-tensors").items():
             where = f"compressed-tensors config_groups.{gname}"
@@ -115,10 +110,9 @@ class CompressedTensorsFormat(CheckpointFormat):
             acts = cfg_dict(g, "input_activations", where) or None
             if acts:
                 _forbid_extra(acts, ARGS_FIELDS, f"{where}.input_activations", "QuantizationArgs")
-            self.groups.append(_Group(gname, targets, weights, acts, str(g.get("format") or global_format)))
-        for pattern in [*self.ignore, *(t for g in self.groups for t in g.targets)]:
-            if pattern.startswith("re:"):
-                cfg_regex(pattern[3:], f"ignore/targets entry {pattern!r}", "compressed-tensors")
+            matcher = patterns.names(targets, f"config_groups.{gname}.targets")
+            fmt = str(g.get("format") or global_format)
+            self.groups.append(_Group(gname, targets, matcher, weights, acts, fmt))
         if not self.groups:
             raise ConversionError("compressed-tensors config has no config_groups with weight targets")
         self._schemes = {g.name: self._scheme(g) for g in self.groups}
@@ -202,16 +196,18 @@ class CompressedTensorsFormat(CheckpointFormat):
 
     def _group_for(self, module: str, layout: LinearLayout) -> _Group | None:
         for g in self.groups:
-            if any(_matches(module, t) for t in g.targets):
+            if g.matcher.matches(module):
                 return g
         for g in self.groups:
-            if any(not t.startswith("re:") and t.lower() in layout.layer_class.lower() for t in g.targets):
+            if any(
+                not t.startswith(REGEX_PREFIX) and t.lower() in layout.layer_class.lower() for t in g.targets
+            ):
                 return g
         return None
 
     def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
         quantized_tensors = any(self.ckpt.has(f"{module}.{s}") for s in ("weight_packed", "weight_scale"))
-        if any(_matches(module, p) for p in self.ignore):
+        if self.ignore.matches(module):
             if quantized_tensors:
                 raise ConversionError(f"{module} is in `ignore` but has quantized tensors")
             return DENSE

@@ -2,14 +2,14 @@
 
 Config keys: bits, group_size, desc_act, sym (default true), checkpoint_format|format ("gptq" = v1
 zeros stored minus one, "gptq_v2"), lm_head, dynamic (GPTQModel per-module overrides: `-:` rules
-leave a module unquantized, `+:`/plain rules override bits/group_size/desc_act/sym; first re.match on
-the runtime — possibly fused — name wins), modules_in_block_to_quantize (substring match; when absent,
-a module counts as quantized when it has a `qweight`).
+leave a module unquantized, `+:`/plain rules override bits/group_size/desc_act/sym; the first rule
+whose pattern matches the start of the runtime — possibly fused — name wins, as vLLM's re.match;
+patterns run under RE2, services/convert/patterns.py), modules_in_block_to_quantize (substring
+match; when absent, a module counts as quantized when it has a `qweight`).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -27,8 +27,9 @@ from services.convert.formats.base import (
     LayerQuant,
     cfg_int,
     cfg_list,
-    cfg_regex,
 )
+from services.convert.limits import MAX_CONFIG_ENTRIES
+from services.convert.patterns import CompiledPattern, PatternCompiler
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
@@ -66,14 +67,24 @@ class GptqFormat(CheckpointFormat):
         dynamic = q.get("dynamic") or {}
         if not isinstance(dynamic, dict):
             raise QuantConfigError("GPTQ 'dynamic' must be an object of regex -> overrides")
-        for pattern, overrides in dynamic.items():
-            cfg_regex(pattern.removeprefix("-:").removeprefix("+:"), f"dynamic rule {pattern!r}", "GPTQ")
+        patterns = PatternCompiler("GPTQ")
+        # (pattern, overrides), in the config's order; overrides None: a `-:` rule (leave unquantized)
+        self.dynamic: list[tuple[CompiledPattern, dict[str, Any] | None]] = []
+        for key, overrides in dynamic.items():
             if overrides is not None and not isinstance(overrides, dict):
                 raise QuantConfigError(
-                    f"GPTQ dynamic rule {pattern!r} must map to an object of overrides, got {overrides!r}"
+                    f"GPTQ dynamic rule {key!r} must map to an object of overrides, got {overrides!r}"
                 )
-        self.dynamic: dict[str, dict[str, Any]] = dynamic
+            negative = key.startswith("-:")
+            pattern = key[2:] if negative else key.removeprefix("+:")
+            compiled = patterns.compile(pattern, f"dynamic rule {key!r}")
+            self.dynamic.append((compiled, None if negative else overrides or {}))
         self.in_block = _flatten(cfg_list(q, "modules_in_block_to_quantize", "GPTQ")) or None
+        if self.in_block is not None and len(self.in_block) > MAX_CONFIG_ENTRIES:
+            raise QuantConfigError(
+                f"GPTQ modules_in_block_to_quantize: {len(self.in_block)} entries, over Kiln's cap of "
+                f"{MAX_CONFIG_ENTRIES} (services/convert/limits.py)"
+            )
         self._check_bits(self.bits, "quantization config")
         if not self.v2:
             self._detect_mislabeled_v2()
@@ -121,13 +132,9 @@ class GptqFormat(CheckpointFormat):
 
     def _dynamic(self, runtime_name: str) -> dict[str, Any] | bool | None:
         """False: a negative rule matched; a dict: overrides; None: no rule matched."""
-        for pattern, overrides in self.dynamic.items():
-            if pattern.startswith("-:"):
-                if re.match(pattern[2:], runtime_name):
-                    return False
-                continue
-            if re.match(pattern.removeprefix("+:"), runtime_name):
-                return overrides or {}
+        for pattern, overrides in self.dynamic:
+            if pattern.match(runtime_name) is not None:
+                return False if overrides is None else overrides
         return None
 
     def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
