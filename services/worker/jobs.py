@@ -11,12 +11,9 @@ SQL is an upsert.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -25,7 +22,7 @@ from sqlalchemy.orm import Session
 from kernels.errors import KilnError
 from services.db import repo
 from services.db.session import run_unit
-from services.redact import redact_text
+from services.redact import is_local, local_source_problem, public_error, redact_text
 from services.settings import ServiceSettings
 from services.storage import open_store
 
@@ -181,59 +178,6 @@ class JobSpec:
     tp: int
     options: dict[str, object]
     attempt: int
-
-
-NO_LOCAL_CHECKPOINT = (
-    "no checkpoint at this path on the conversion server (expected a directory holding config.json "
-    "and *.safetensors files); check the path, or upload the checkpoint and use s3://bucket/prefix"
-)
-ELIDED_PATH = "<server path>"
-# An absolute path in a message: a '/' that does not continue a word, URL or relative path.
-_ABS_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"]*")
-_TRAILING_PUNCTUATION = ".,:;)]}"
-
-
-def is_local(source: str) -> bool:
-    return not source.startswith("s3://")
-
-
-def local_source_problem(source: str) -> str | None:
-    """The one message for a server-local source that is not a checkpoint directory, whether the
-    path is missing, a file, unreadable or a directory without config.json: a job's error must not
-    tell the submitter which (that would map the server's filesystem)."""
-    try:
-        found = (Path(source) / "config.json").is_file()
-    except (OSError, ValueError):
-        found = False
-    return None if found else f"source {source!r}: {NO_LOCAL_CHECKPOINT}"
-
-
-def _resolved(source: str) -> str:
-    try:
-        return os.path.realpath(source)
-    except (OSError, ValueError):
-        return source
-
-
-def public_error(message: str, source: str) -> str:
-    """A job's error as its submitter reads it: credentials in URLs redacted and, for a server-local
-    source, no server path but the one submitted. The resolved form of the source (`/proc/self/cwd`
-    -> the server's working directory) is written as submitted; any other path is elided."""
-    message = redact_text(message)
-    if not is_local(source):
-        return message
-    submitted = source.rstrip("/") or "/"
-    resolved = _resolved(submitted)
-
-    def rewrite(m: re.Match[str]) -> str:
-        path = m.group(0).rstrip(_TRAILING_PUNCTUATION)
-        tail = m.group(0)[len(path) :]
-        for root in (submitted, resolved):
-            if path == root or path.startswith(root.rstrip("/") + "/"):
-                return submitted + path[len(root) :] + tail if root != "/" else path + tail
-        return ELIDED_PATH + tail
-
-    return _ABS_PATH.sub(rewrite, message)
 
 
 def build_request(spec: JobSpec, settings: ServiceSettings) -> object:

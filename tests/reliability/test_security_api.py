@@ -28,9 +28,9 @@ from services.api.app import create_app
 from services.db import migrate, repo
 from services.db.models import Artifact
 from services.db.session import session_scope
-from services.redact import redact_text, redact_url
+from services.redact import NO_LOCAL_CHECKPOINT, redact_text, redact_url
 from services.settings import ServiceSettings as Settings
-from services.worker.jobs import NO_LOCAL_CHECKPOINT, run_job
+from services.worker.jobs import run_job
 from tests.services.conftest import REPO, create_token, free_port, make_settings
 
 pytestmark = pytest.mark.services

@@ -5,12 +5,15 @@ real HTTP against a `kiln api` subprocess (SQLite, embedded worker):
   pattern that backtracks forever under Python's `re` stalls neither /health nor other callers,
   and one RE2 cannot run (lookaround, backreferences) is a 422 naming the field and the pattern;
 - its sizes are capped before work starts: a 1 KB config.json claiming a million layers is a quick
-  422 naming `num_hidden_layers`, as is any dimension over its cap or beyond the tensors present.
+  422 naming `num_hidden_layers`, as is any dimension over its cap or beyond the tensors present;
+- its errors say nothing of the server's filesystem: a path that is not a checkpoint directory gets
+  one 404 whatever the reason, naming no server path but the one submitted.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -22,6 +25,7 @@ import httpx
 import pytest
 
 from services.convert.limits import CONFIG_JSON_MAX_BYTES, DIMENSION_CAPS, MAX_CONFIG_PATTERNS
+from services.redact import NO_LOCAL_CHECKPOINT
 from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
 from tests.reliability.kiln_api import KilnApi, kiln_api
 from tests.services.conftest import create_token
@@ -235,3 +239,61 @@ def test_a_config_json_over_its_byte_cap_is_refused_before_parsing(
     assert r.status_code == 422, r.text
     assert f"over Kiln's {CONFIG_JSON_MAX_BYTES}-byte limit" in r.json()["detail"]
     assert "config.json" in r.json()["detail"]
+
+
+# --- finding 4: no filesystem oracle, no server paths --------------------------------------------
+
+
+def _not_checkpoints(tmp_path: Path) -> list[str]:
+    (tmp_path / "to-passwd").symlink_to("/etc/passwd")
+    outside = tmp_path / "config-out"
+    outside.mkdir()
+    (outside / "config.json").symlink_to("/etc/passwd")
+    (outside / "model.safetensors").write_bytes(b"")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    (tmp_path / "a-file").write_text("x")
+    return [
+        str(tmp_path / "missing"),
+        str(tmp_path / "to-passwd"),
+        str(outside),
+        str(locked),  # unreadable to a non-root server
+        "/proc/1/cwd",  # unreadable to every process but PID 1's owner with ptrace rights
+        str(tmp_path / "a-file"),
+        "/proc/self/cwd",  # the server's working directory
+        "/etc",
+    ]
+
+
+def test_paths_that_are_not_checkpoints_are_one_404_naming_no_server_path(
+    api: KilnApi, tmp_path: Path
+) -> None:
+    sources = _not_checkpoints(tmp_path)
+    try:
+        answers = {src: plan(api, api.admin_token, src) for src in sources}
+    finally:
+        (tmp_path / "locked").chmod(0o700)
+    server_cwd = os.readlink(f"/proc/{api.proc.pid}/cwd")
+    for src, r in answers.items():
+        assert r.status_code == 404, (src, r.text)
+        assert r.json() == {"detail": f"source {src!r}: {NO_LOCAL_CHECKPOINT}"}, (src, r.text)
+        assert server_cwd not in r.text.replace(src, ""), (src, r.text)
+
+
+def test_plan_errors_on_a_real_checkpoint_name_no_other_server_path(
+    api: KilnApi, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose tokenizer file is a symlink out of it: the 422 says so without the target."""
+    src = variant(tiny_checkpoint, tmp_path / "ckpt")
+    secret = tmp_path / "elsewhere" / "server-secret.json"
+    secret.parent.mkdir()
+    secret.write_text("{}")
+    (src / "tokenizer.json").unlink(missing_ok=True)
+    (src / "tokenizer.json").symlink_to(secret)
+    via_proc = f"/proc/self/root{src}"
+    r = plan(api, api.admin_token, via_proc)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert "outside the checkpoint directory" in detail and via_proc in detail, detail
+    assert "elsewhere" not in detail and str(src) not in detail.replace(via_proc, ""), detail

@@ -188,9 +188,10 @@ def test_plans_show_the_conversion_without_queueing_it(
     r = client.post("/v1/plans", json=body(str(gemv)))
     assert r.status_code == 422 and "GEMV" in r.json()["detail"].upper()
 
-    for missing in (str(tmp_path / "nowhere"), "s3://no-such-bucket/model"):
-        r = client.post("/v1/plans", json=body(missing))
-        assert r.status_code == 404 and "does not exist" in r.json()["detail"], r.text
+    r = client.post("/v1/plans", json=body(str(tmp_path / "nowhere")))
+    assert r.status_code == 404 and "no checkpoint at this path" in r.json()["detail"], r.text
+    r = client.post("/v1/plans", json=body("s3://no-such-bucket/model"))
+    assert r.status_code == 404 and "does not exist" in r.json()["detail"], r.text
     r = client.post("/v1/plans", json=body(str(tmp_path)))
     assert r.status_code == 404 and "config.json" in r.json()["detail"]
     r = client.post("/v1/plans", json=body("relative/path"))
