@@ -206,18 +206,22 @@ def list_tokens() -> None:
 
 @admin_app.command("revoke-token")
 def revoke_token(
-    token: Annotated[
-        str, typer.Argument(help="A token id (all digits), or a name: revokes every active token so named")
-    ],
+    token_id: Annotated[int | None, typer.Option("--id", min=1, help="Revoke the token with this id")] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Revoke every token with this name (digits are a name)")
+    ] = None,
 ) -> None:
-    """Revoke API tokens at once: later requests with them get 401. Their jobs are kept."""
+    """Revoke API tokens at once (`--id N` or `--name NAME`): later requests with them get 401 within
+    KILN_TOKEN_CACHE_S. Their jobs are kept."""
+    if (token_id is None) == (name is None):
+        raise typer.BadParameter("give exactly one of --id N and --name NAME (`kiln admin list-tokens`)")
     ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 
     try:
         with session_scope(get_settings()) as s:
-            result = repo.revoke_tokens(s, token)
+            result = repo.revoke_tokens(s, token_id=token_id, name=name)
             revoked = [(t.id, t.name) for t in result.revoked]
             already = [(t.id, t.name) for t in result.already]
     except repo.UnknownToken as e:
@@ -225,10 +229,10 @@ def revoke_token(
 
         print_error(e)
         raise typer.Exit(1) from e
-    for token_id, name in revoked:
-        typer.echo(f"revoked token {token_id} ({name!r})")
-    for token_id, name in already:
-        typer.echo(f"token {token_id} ({name!r}) was already revoked")
+    for revoked_id, revoked_name in revoked:
+        typer.echo(f"revoked token {revoked_id} ({revoked_name!r})")
+    for revoked_id, revoked_name in already:
+        typer.echo(f"token {revoked_id} ({revoked_name!r}) was already revoked")
 
 
 @admin_app.command("reconcile")

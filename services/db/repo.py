@@ -74,19 +74,21 @@ class Revocation:
     already: list[ApiToken]  # matched, but revoked before
 
 
-def revoke_tokens(session: Session, id_or_name: str) -> Revocation:
-    """Revoke the token with this id (all digits) or every active token with this name.
+def revoke_tokens(session: Session, *, token_id: int | None = None, name: str | None = None) -> Revocation:
+    """Revoke the token with this id, or every token with this name (exactly one of the two: a name
+    made of digits is a name, never an id).
 
     Revoking is idempotent: a token revoked before is reported, not an error."""
-    if id_or_name.isdigit():
-        matched = session.scalars(select(ApiToken).where(ApiToken.id == int(id_or_name))).all()
+    if (token_id is None) == (name is None):
+        raise ValueError("revoke_tokens takes exactly one of token_id and name")
+    if token_id is not None:
+        matched = session.scalars(select(ApiToken).where(ApiToken.id == token_id)).all()
+        what = f"id {token_id}"
     else:
-        matched = session.scalars(select(ApiToken).where(ApiToken.name == id_or_name)).all()
+        matched = session.scalars(select(ApiToken).where(ApiToken.name == name)).all()
+        what = f"name {name!r}"
     if not matched:
-        raise UnknownToken(
-            f"no API token with {'id' if id_or_name.isdigit() else 'name'} {id_or_name!r}; "
-            "`kiln admin list-tokens` shows them"
-        )
+        raise UnknownToken(f"no API token with {what}; `kiln admin list-tokens` shows them")
     already = [t for t in matched if t.revoked_at is not None]
     revoked = [t for t in matched if t.revoked_at is None]
     now = utcnow()

@@ -83,7 +83,7 @@ def test_a_revoked_token_stops_working_within_the_token_cache_time(base_url: str
     headers = {"Authorization": f"Bearer {token}"}
     assert httpx.get(f"{base_url}/v1/conversions", headers=headers).status_code == 200
     with session_scope(settings) as s:
-        assert [t.name for t in repo.revoke_tokens(s, "leaving").revoked] == ["leaving"]
+        assert [t.name for t in repo.revoke_tokens(s, name="leaving").revoked] == ["leaving"]
     time.sleep(settings.token_cache_s + 0.1)
     r = httpx.get(f"{base_url}/v1/conversions", headers=headers)
     assert r.status_code == 401 and "revoked" in r.json()["detail"]
