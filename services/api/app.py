@@ -74,7 +74,12 @@ def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher |
     app.include_router(health.router)
     install_handlers(app)
     # Outermost last: metrics see every response, the size limit runs before routing.
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_request_bytes,
+        body_timeout_s=settings.request_body_timeout_s,
+        body_idle_timeout_s=settings.request_body_idle_timeout_s,
+    )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
