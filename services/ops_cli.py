@@ -169,16 +169,30 @@ def create_token(
     name: Annotated[str, typer.Option(help="A label for the token")] = "cli",
     admin: Annotated[bool, typer.Option("--admin", help="May delete artifacts")] = False,
     out: Annotated[Path | None, typer.Option(help="Write the token to this file (0600) too")] = None,
+    source_buckets: Annotated[
+        str | None,
+        typer.Option(
+            "--source-buckets",
+            help="Comma-separated s3:// buckets this token may convert from, within KILN_SOURCE_BUCKETS "
+            "(default: all the deployment allows)",
+        ),
+    ] = None,
 ) -> None:
     """Create an API token; it is printed once (only its sha256 is stored)."""
+    buckets = None
+    if source_buckets is not None:
+        buckets = [b.strip() for b in source_buckets.split(",") if b.strip()]
+        if not buckets:
+            raise typer.BadParameter("name at least one bucket", param_hint="--source-buckets")
     ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 
     with session_scope(get_settings()) as s:
-        plain, row = repo.create_token(s, name, is_admin=admin)
+        plain, row = repo.create_token(s, name, is_admin=admin, source_buckets=buckets)
         token_id = row.id
-    console.print(f"created {'admin ' if admin else ''}token {token_id} ({name!r})")
+    scope = f", sources from bucket(s) {', '.join(buckets)} only" if buckets else ""
+    console.print(f"created {'admin ' if admin else ''}token {token_id} ({name!r}{scope})")
     if out is not None:
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -188,20 +202,29 @@ def create_token(
 
 @admin_app.command("list-tokens")
 def list_tokens() -> None:
-    """List API tokens: id, name, admin or not, created, revoked (never the token itself)."""
+    """List API tokens: id, name, admin or not, created, revoked, source buckets when narrowed (never
+    the token itself)."""
     ensure_schema()
     from services.db import repo
     from services.db.session import session_scope
 
     with session_scope(get_settings()) as s:
         rows = [
-            (t.id, t.name, t.is_admin, repo.as_aware(t.created_at), repo.as_aware(t.revoked_at))
+            (
+                t.id,
+                t.name,
+                t.is_admin,
+                repo.as_aware(t.created_at),
+                repo.as_aware(t.revoked_at),
+                t.source_buckets,
+            )
             for t in repo.list_tokens(s)
         ]
-    for token_id, name, is_admin, created, revoked in rows:
+    for token_id, name, is_admin, created, revoked, buckets in rows:
         state = f"revoked {revoked:%Y-%m-%d %H:%M:%S}" if revoked else "active"
         role = "admin" if is_admin else "user"
-        typer.echo(f"{token_id}\t{name}\t{role}\tcreated {created:%Y-%m-%d %H:%M:%S}\t{state}")
+        scope = f"\tsource buckets {','.join(buckets)}" if buckets is not None else ""
+        typer.echo(f"{token_id}\t{name}\t{role}\tcreated {created:%Y-%m-%d %H:%M:%S}\t{state}{scope}")
 
 
 @admin_app.command("revoke-token")

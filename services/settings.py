@@ -32,7 +32,11 @@ class ServiceSettings(RuntimeSettings):
     # --- S3 store (the client's endpoint, credentials and retries are in RuntimeSettings) ------
     s3_multipart_chunk_mb: int = 16
     s3_max_concurrency: int = 4
-    presigned_url_ttl_s: int = 3600
+    # Artifact download URLs (GET /v1/artifacts/{id}) are bearer capabilities: they keep working
+    # after the token that fetched them is revoked, until they expire.
+    presigned_url_ttl_s: int = Field(default=300, gt=0)
+    # Buckets a request may name as s3:// sources besides the store's ("*": any; services/sources.py).
+    source_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # --- broker / worker ----------------------------------------------------------------------
     broker_url: str = ""  # empty: jobs run in a worker thread inside `kiln api` (embedded mode)
@@ -69,7 +73,7 @@ class ServiceSettings(RuntimeSettings):
     # --- converter ------------------------------------------------------------------------------
     disabled_kernels: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
-    @field_validator("disabled_kernels", "cors_origins", mode="before")
+    @field_validator("disabled_kernels", "cors_origins", "source_buckets", mode="before")
     @classmethod
     def _split_csv(cls, v: object) -> object:
         if isinstance(v, str):

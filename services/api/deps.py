@@ -58,7 +58,10 @@ StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 def lookup_token(settings: ServiceSettings, presented: str) -> Caller | None:
     """Who a presented bearer token is, from SQL (None: unknown or revoked)."""
     row = run_unit(settings, lambda s: repo.find_token(s, presented), what="a token lookup", read_only=True)
-    return None if row is None else Caller(id=row.id, name=row.name, is_admin=row.is_admin)
+    if row is None:
+        return None
+    buckets = tuple(row.source_buckets) if row.source_buckets is not None else None
+    return Caller(id=row.id, name=row.name, is_admin=row.is_admin, source_buckets=buckets)
 
 
 async def current_token(

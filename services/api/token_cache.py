@@ -14,6 +14,7 @@ class Caller:
     id: int
     name: str
     is_admin: bool
+    source_buckets: tuple[str, ...] | None = None  # narrows KILN_SOURCE_BUCKETS (services/sources.py)
 
 
 class TokenCache:

@@ -109,3 +109,6 @@ class ApiToken(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # Buckets this token may name as s3:// sources, narrowing the deployment's KILN_SOURCE_BUCKETS
+    # (None: not narrowed). See services/sources.py.
+    source_buckets: Mapped[list[str] | None] = mapped_column(JSON, default=None)

@@ -38,10 +38,13 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Session, name: str, *, is_admin: bool = False) -> tuple[str, ApiToken]:
-    """Create a bearer token; only its sha256 is stored, the plain text is returned once."""
+def create_token(
+    session: Session, name: str, *, is_admin: bool = False, source_buckets: list[str] | None = None
+) -> tuple[str, ApiToken]:
+    """Create a bearer token; only its sha256 is stored, the plain text is returned once.
+    `source_buckets` narrows the s3:// buckets it may name (None: the deployment's list)."""
     plain = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = ApiToken(name=name, token_hash=hash_token(plain), is_admin=is_admin)
+    row = ApiToken(name=name, token_hash=hash_token(plain), is_admin=is_admin, source_buckets=source_buckets)
     session.add(row)
     session.flush()
     return plain, row
@@ -58,6 +61,10 @@ def find_token(session: Session, presented: str) -> ApiToken | None:
 
 def count_tokens(session: Session) -> int:
     return len(session.scalars(select(ApiToken.id).where(ApiToken.revoked_at.is_(None))).all())
+
+
+def get_token(session: Session, token_id: int) -> ApiToken | None:
+    return session.get(ApiToken, token_id)
 
 
 def list_tokens(session: Session) -> list[ApiToken]:

@@ -24,6 +24,7 @@ from services.db import repo
 from services.db.session import run_unit
 from services.redact import is_local, local_source_problem, public_error, redact_text
 from services.settings import ServiceSettings
+from services.sources import source_problem
 from services.storage import open_store
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class JobSpec:
     tp: int
     options: dict[str, object]
     attempt: int
+    token_buckets: tuple[str, ...] | None  # the owning token's --source-buckets (None: not narrowed)
 
 
 def build_request(spec: JobSpec, settings: ServiceSettings) -> object:
@@ -231,8 +233,12 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         if c.outcome != "run" or c.job is None:
             return c.outcome, None
         j = c.job
+        owner = repo.get_token(s, j.token_id) if j.token_id is not None else None
+        buckets = (
+            tuple(owner.source_buckets) if owner is not None and owner.source_buckets is not None else None
+        )
         return c.outcome, JobSpec(
-            j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts
+            j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts, buckets
         )
 
     # Not idempotent: a rerun after a lost COMMIT would count the attempt twice.
@@ -241,6 +247,9 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         log.info("job %s: not run (%s)", job_id, outcome)
         return outcome  # type: ignore[return-value]
     log.info("job %s: attempt %d: converting %s for %s", job_id, spec.attempt, spec.source, spec.targets)
+    if (problem := source_problem(spec.source, settings, spec.token_buckets)) is not None:
+        _finish(job_id, "failed", problem, settings)  # the settings changed since it was queued
+        return "failed"
     if is_local(spec.source) and (problem := local_source_problem(spec.source)) is not None:
         _finish(job_id, "failed", problem, settings)
         return "failed"

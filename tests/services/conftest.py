@@ -153,6 +153,8 @@ def services_env(
         "KILN_RECONCILE_INTERVAL_S": "0",
         "KILN_PROGRESS_WRITE_INTERVAL_S": "0.2",
         "KILN_MAX_JOB_ATTEMPTS": "3",
+        # Tests name placeholder buckets (s3://b/x); tests/reliability/test_security_sources.py sets a list.
+        "KILN_SOURCE_BUCKETS": "*",
         **s3_test_env(s3_server),
     }
     return env

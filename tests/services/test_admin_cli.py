@@ -101,3 +101,25 @@ def test_a_token_named_with_digits_is_revoked_by_name_not_taken_for_an_id(tmp_pa
     assert states() == {"1:bootstrap-admin": "active", "2:1": "revoked"}
     assert kiln("admin", "revoke-token", "--id", "1").stdout.strip() == "revoked token 1 ('bootstrap-admin')"
     assert states() == {"1:bootstrap-admin": "revoked", "2:1": "revoked"}
+
+
+def test_a_token_can_be_narrowed_to_source_buckets(tmp_path: Path) -> None:
+    env = {"KILN_DATABASE_URL": f"sqlite:///{tmp_path / 'cli.db'}", "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+
+    def kiln(*args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == rc, out.stdout + out.stderr
+        return out
+
+    kiln("db", "upgrade")
+    created = kiln("admin", "create-token", "--name", "ci", "--source-buckets", "models, data")
+    assert "sources from bucket(s) models, data only" in created.stderr
+    kiln("admin", "create-token", "--name", "any")
+    assert kiln("admin", "create-token", "--name", "x", "--source-buckets", " , ", rc=2).stdout == ""
+    lines = kiln("admin", "list-tokens").stdout.splitlines()
+    assert lines[0].startswith("1\tci\tuser") and lines[0].endswith("\tsource buckets models,data")
+    assert lines[1].startswith("2\tany\tuser") and "source buckets" not in lines[1]
+    with session_scope(Settings(_env_file=None, database_url=env["KILN_DATABASE_URL"])) as s:  # type: ignore[call-arg]
+        assert [t.source_buckets for t in repo.list_tokens(s)] == [["models", "data"], None]

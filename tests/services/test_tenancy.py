@@ -45,7 +45,12 @@ class QueueOnlyDispatcher:
 @pytest.fixture
 def settings(db_url: str, tmp_path: Path) -> Settings:
     return Settings(  # type: ignore[call-arg]
-        _env_file=None, environment="test", database_url=db_url, data_dir=tmp_path / "var", broker_url=""
+        _env_file=None,
+        environment="test",
+        database_url=db_url,
+        data_dir=tmp_path / "var",
+        broker_url="",
+        source_buckets=["*"],  # placeholder buckets (s3://b/...): nothing is read from them
     )
 
 

@@ -16,6 +16,8 @@ from services.db import repo
 from services.db.models import Job
 from services.db.session import run_unit
 from services.redact import redact_text
+from services.settings import ServiceSettings
+from services.sources import source_problem
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/conversions", tags=["conversions"], responses=AUTH_RESPONSES)
@@ -59,21 +61,10 @@ def to_schema(job: Job) -> schemas.Job:
     )
 
 
-def check_source(source: str, settings: SettingsDep) -> None:
-    allowed = settings.allow_local_sources
-    if allowed is None:
-        allowed = settings.environment != "production"
-    if source.startswith("s3://"):
-        return
-    if "://" in source:
-        raise invalid_field("source", f"source {source!r}: unsupported scheme; use s3://bucket/prefix")
-    if not allowed:
-        raise invalid_field(
-            "source",
-            f"source {source!r}: server-local paths are disabled (KILN_ALLOW_LOCAL_SOURCES); use s3://",
-        )
-    if not source.startswith("/"):
-        raise invalid_field("source", f"source {source!r}: a server-local path must be absolute")
+def check_source(source: str, settings: ServiceSettings, token: Caller) -> None:
+    """A 422 naming `source` when this caller may not read it (services/sources.py)."""
+    if (problem := source_problem(source, settings, token.source_buckets)) is not None:
+        raise invalid_field("source", problem)
 
 
 @router.post(
@@ -91,7 +82,7 @@ def submit(
 ) -> Response:
     """Queue a conversion; returns the job (the caller's existing one for a repeated Idempotency-Key
     or an identical request while that job is live or succeeded)."""
-    check_source(body.source, settings)
+    check_source(body.source, settings, token)
     task_id = dispatcher.new_task_id()
     sub = run_unit(
         settings,

@@ -37,7 +37,7 @@ def create_plan(body: schemas.ConversionCreate, settings: SettingsDep, token: To
     """Plan a conversion (same body as POST /v1/conversions, nothing queued): reads the checkpoint's
     config and tensor headers only. A checkpoint or shape Kiln cannot convert is a 422 naming the
     layer and what to do — before any work is queued; no checkpoint at `source` is a 404."""
-    check_source(body.source, settings)
+    check_source(body.source, settings, token)
     source = body.source
     if is_local(source) and (problem := local_source_problem(source)) is not None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, problem)
