@@ -12,7 +12,9 @@ the converter walk. A 1 KB config claiming `num_hidden_layers: 1e6` once kept /v
   weights would fit in the bytes present even at 2 bits per weight (`check_dimensions`); an expert
   the config claims but the tensors lack is refused by planning as it reaches it, before any work;
 - a quantization config holds at most `MAX_CONFIG_ENTRIES` names per list and `MAX_CONFIG_PATTERNS`
-  regular expressions of at most `MAX_PATTERN_CHARS` characters (services/convert/patterns.py).
+  regular expressions of at most `MAX_PATTERN_CHARS` characters (services/convert/patterns.py),
+  and its patterns times the model's modules stay within `MAX_PATTERN_MATCHES` (`check_pattern_work`,
+  at the start of planning).
 
 A checkpoint over a cap is refused with `CheckpointLimitError` (a 422 over REST) naming the field,
 its value and the cap or the evidence.
@@ -38,6 +40,8 @@ MAX_CONFIG_PATTERNS = 256  # regular expressions in one quantization config, all
 MAX_PATTERN_CHARS = 1024
 PATTERN_MAX_MEM = 8 << 20  # RE2's memory budget per compiled pattern (its default)
 MAX_CONFIG_ENTRIES = 4096  # names in one list field of a quantization config (ignore, targets, ...)
+# Patterns x modules planned (each module's name may be tried against every pattern, ~3 us each).
+MAX_PATTERN_MATCHES = 2_000_000
 
 DIMENSION_CAPS: Mapping[str, int] = {
     "num_hidden_layers": 1024,
@@ -76,6 +80,16 @@ def check_json_size(uri: str, name: str, size: int) -> None:
         raise CheckpointLimitError(
             f"{uri}/{name} is {size} bytes, over Kiln's {cap}-byte limit for this file "
             "(services/convert/limits.py); a real checkpoint's file is far smaller: fix or trim it"
+        )
+
+
+def check_pattern_work(fmt: str, patterns: int, modules: int) -> None:
+    """Refuse a config whose patterns would be tried against too many module names."""
+    if patterns * modules > MAX_PATTERN_MATCHES:
+        raise CheckpointLimitError(
+            f"the {fmt} quantization config's {patterns} regular expressions against the model's "
+            f"{modules} modules would take up to {patterns * modules} matches, over Kiln's cap of "
+            f"{MAX_PATTERN_MATCHES} (services/convert/limits.py); merge the patterns into fewer"
         )
 
 

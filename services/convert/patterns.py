@@ -17,7 +17,7 @@ MAX_CONFIG_ENTRIES names in one list field.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import re2
 
@@ -36,26 +36,36 @@ RE2_SYNTAX = (
 )
 
 
-class CompiledPattern(Protocol):
-    def match(self, text: str) -> object | None: ...
+class Program(Protocol):
+    """A compiled RE2 program (re2.compile's result; google-re2 has no public type for it)."""
+
+    def match(self, text: str) -> Any: ...
 
 
-def _options() -> re2.Options:
+def _options(max_mem: int) -> re2.Options:
     options = re2.Options()
     options.log_errors = False  # the error is raised to the caller, not logged by RE2
-    options.max_mem = PATTERN_MAX_MEM
+    options.max_mem = max_mem
     return options
 
 
+def _reason(e: re2.error) -> str:
+    return e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+
+
 class PatternCompiler:
-    """Compiles the patterns of one quantization config, counting them against the per-config cap."""
+    """Checks and compiles the patterns of one quantization config, counting them against the cap
+    (`count`, which planning also weighs against the number of modules: MAX_PATTERN_MATCHES).
+
+    Each field's patterns also become one RE2 program (an alternation), so a module name no pattern
+    matches costs one match whatever the number of patterns."""
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
         self.count = 0
 
-    def compile(self, pattern: str, field: str) -> CompiledPattern:
-        """`pattern` from config field `field` (named with its entry in errors), compiled for RE2."""
+    def check(self, pattern: str, field: str) -> str:
+        """`pattern` from config field `field` (named with its entry in errors), if RE2 can run it."""
         self.count += 1
         if self.count > MAX_CONFIG_PATTERNS:
             raise QuantConfigError(
@@ -68,13 +78,30 @@ class PatternCompiler:
                 f"characters, over Kiln's cap of {MAX_PATTERN_CHARS}; shorten it"
             )
         try:
-            return re2.compile(pattern, _options())
+            re2.compile(pattern, _options(PATTERN_MAX_MEM))
         except re2.error as e:
-            reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else e
             raise QuantConfigError(
                 f"{self.fmt} quantization config {field}: {pattern!r} is not a regular expression Kiln "
-                f"can use ({reason}). {RE2_SYNTAX}"
+                f"can use ({_reason(e)}). {RE2_SYNTAX}"
             ) from e
+        return pattern
+
+    def _program(self, alternatives: list[str], field: str) -> Program:
+        try:
+            return re2.compile("|".join(alternatives), _options(PATTERN_MAX_MEM * 4))
+        except re2.error as e:
+            raise QuantConfigError(
+                f"{self.fmt} quantization config {field}: its regular expressions together are too large "
+                f"for Kiln's matcher ({_reason(e)}); merge or shorten them"
+            ) from e
+
+    def first_of(self, patterns: list[tuple[str, str]], field: str) -> FirstMatch:
+        """Patterns `(pattern, entry label)` in config order (GPTQ `dynamic`: the first rule wins)."""
+        checked = [self.check(pattern, label) for pattern, label in patterns]
+        if not checked:
+            return FirstMatch(None, ())
+        one = tuple(re2.compile(p, _options(PATTERN_MAX_MEM)) for p in checked)
+        return FirstMatch(self._program([f"(?:{p})" for p in checked], field), one)
 
     def names(self, entries: Iterable[object], field: str) -> NameMatcher:
         """compressed-tensors' matching of `ignore` / `targets`: an exact name, or `re:` + a pattern."""
@@ -85,20 +112,36 @@ class PatternCompiler:
                 f"{MAX_CONFIG_ENTRIES} (services/convert/limits.py); use `re:` patterns for long lists"
             )
         exact = frozenset(i for i in items if not i.startswith(REGEX_PREFIX))
-        patterns = tuple(
-            self.compile(i.removeprefix(REGEX_PREFIX), f"{field} entry {i!r}")
+        checked = [
+            self.check(i.removeprefix(REGEX_PREFIX), f"{field} entry {i!r}")
             for i in dict.fromkeys(items)
             if i.startswith(REGEX_PREFIX)
-        )
-        return NameMatcher(exact, patterns)
+        ]
+        program = self._program([f"(?:{p})" for p in checked], field) if checked else None
+        return NameMatcher(exact, program)
+
+
+class FirstMatch:
+    """The index of the first pattern that matches at the start of a name (a loop of re.match): one
+    program of all the patterns answers "none" in one pass; a name some pattern matches is then
+    tried against each in order."""
+
+    def __init__(self, any_of: Program | None, patterns: tuple[Program, ...]) -> None:
+        self.any_of = any_of
+        self.patterns = patterns
+
+    def first(self, name: str) -> int | None:
+        if self.any_of is None or self.any_of.match(name) is None:
+            return None
+        return next((i for i, p in enumerate(self.patterns) if p.match(name) is not None), None)
 
 
 class NameMatcher:
-    """Exact names (a set lookup) and RE2 patterns matched at the start of a name."""
+    """Exact names (a set lookup) and RE2 patterns matched at the start of a name (one program)."""
 
-    def __init__(self, exact: frozenset[str], patterns: tuple[CompiledPattern, ...]) -> None:
+    def __init__(self, exact: frozenset[str], program: Program | None) -> None:
         self.exact = exact
-        self.patterns = patterns
+        self.program = program
 
     def matches(self, name: str) -> bool:
-        return name in self.exact or any(p.match(name) is not None for p in self.patterns)
+        return name in self.exact or (self.program is not None and self.program.match(name) is not None)

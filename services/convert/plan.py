@@ -20,6 +20,7 @@ from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.experts import PlannedExperts, plan_experts
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
+from services.convert.limits import check_pattern_work
 
 Method = Literal["auto", "fp8"]
 Fp8Scheme = Literal["tensor", "channel", "block"]
@@ -318,9 +319,13 @@ def build_plan(
     model = ModelConfig.from_hf(ckpt.config)
     act_dtype = act_dtype_for(model, target)
     has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
+    layouts = linear_layouts(model, has_lm_head)
+    group_layouts = expert_groups(model)
+    modules = sum(len(lay.shards) for lay in layouts) + sum(3 * g.num_experts for g in group_layouts)
+    check_pattern_work(fmt.name, fmt.pattern_count, modules)
     layers: list[PlannedLayer] = []
     consumed: set[str] = set()
-    for layout in linear_layouts(model, has_lm_head):
+    for layout in layouts:
         quant = _agree(fmt, layout)
         tq = _target_quant(quant, layout, method, fp8_scheme)
         sources = [t for s in layout.shards for t in fmt.source_tensors(s.module, quant)]
@@ -342,7 +347,7 @@ def build_plan(
             ckpt, fmt, group, target=target, tp=tp, expert_parallel=expert_parallel, target_quant=online,
             act_dtype=act_dtype, disabled=disabled_kernels,
         )
-        for group in expert_groups(model)
+        for group in group_layouts
     ]  # fmt: skip
     if expert_parallel and not groups:
         raise UnsupportedError(f"--ep places whole experts per rank, but {model.architecture} has no experts")

@@ -24,7 +24,14 @@ from typing import Any
 import httpx
 import pytest
 
-from services.convert.limits import CONFIG_JSON_MAX_BYTES, DIMENSION_CAPS, MAX_CONFIG_PATTERNS
+from services.convert.limits import (
+    CONFIG_JSON_MAX_BYTES,
+    DIMENSION_CAPS,
+    MAX_CONFIG_PATTERNS,
+    MAX_PATTERN_MATCHES,
+    CheckpointLimitError,
+    check_pattern_work,
+)
 from services.redact import NO_LOCAL_CHECKPOINT
 from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
 from tests.reliability.kiln_api import KilnApi, kiln_api
@@ -297,3 +304,11 @@ def test_plan_errors_on_a_real_checkpoint_name_no_other_server_path(
     detail = r.json()["detail"]
     assert "outside the checkpoint directory" in detail and via_proc in detail, detail
     assert "elsewhere" not in detail and str(src) not in detail.replace(via_proc, ""), detail
+
+
+def test_patterns_times_modules_are_capped() -> None:
+    """Each module name may be tried against every pattern: the product is bounded (a 256-pattern
+    config over an MoE of 10,000 expert projections would be 2.56 million matches)."""
+    check_pattern_work("GPTQ", MAX_CONFIG_PATTERNS, MAX_PATTERN_MATCHES // MAX_CONFIG_PATTERNS)
+    with pytest.raises(CheckpointLimitError, match="256 regular expressions against the model's 10000"):
+        check_pattern_work("GPTQ", 256, 10_000)

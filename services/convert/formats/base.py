@@ -184,6 +184,7 @@ class CheckpointFormat(ABC):
         self.ckpt = ckpt
         self.quantization = quantization
         self.notes: list[str] = []
+        self.pattern_count = 0  # regular expressions from the config, matched against every module
 
     @classmethod
     @abstractmethod

@@ -113,6 +113,7 @@ class CompressedTensorsFormat(CheckpointFormat):
             matcher = patterns.names(targets, f"config_groups.{gname}.targets")
             fmt = str(g.get("format") or global_format)
             self.groups.append(_Group(gname, targets, matcher, weights, acts, fmt))
+        self.pattern_count = patterns.count
         if not self.groups:
             raise ConversionError("compressed-tensors config has no config_groups with weight targets")
         self._schemes = {g.name: self._scheme(g) for g in self.groups}

@@ -29,7 +29,7 @@ from services.convert.formats.base import (
     cfg_list,
 )
 from services.convert.limits import MAX_CONFIG_ENTRIES
-from services.convert.patterns import CompiledPattern, PatternCompiler
+from services.convert.patterns import PatternCompiler
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
@@ -67,18 +67,20 @@ class GptqFormat(CheckpointFormat):
         dynamic = q.get("dynamic") or {}
         if not isinstance(dynamic, dict):
             raise QuantConfigError("GPTQ 'dynamic' must be an object of regex -> overrides")
-        patterns = PatternCompiler("GPTQ")
-        # (pattern, overrides), in the config's order; overrides None: a `-:` rule (leave unquantized)
-        self.dynamic: list[tuple[CompiledPattern, dict[str, Any] | None]] = []
+        # Per rule in the config's order: its overrides, None for a `-:` rule (leave unquantized).
+        self.dynamic: list[dict[str, Any] | None] = []
+        patterns: list[tuple[str, str]] = []
         for key, overrides in dynamic.items():
             if overrides is not None and not isinstance(overrides, dict):
                 raise QuantConfigError(
                     f"GPTQ dynamic rule {key!r} must map to an object of overrides, got {overrides!r}"
                 )
             negative = key.startswith("-:")
-            pattern = key[2:] if negative else key.removeprefix("+:")
-            compiled = patterns.compile(pattern, f"dynamic rule {key!r}")
-            self.dynamic.append((compiled, None if negative else overrides or {}))
+            patterns.append((key[2:] if negative else key.removeprefix("+:"), f"dynamic rule {key!r}"))
+            self.dynamic.append(None if negative else overrides or {})
+        compiler = PatternCompiler("GPTQ")
+        self.dynamic_rules = compiler.first_of(patterns, "dynamic")
+        self.pattern_count = compiler.count
         self.in_block = _flatten(cfg_list(q, "modules_in_block_to_quantize", "GPTQ")) or None
         if self.in_block is not None and len(self.in_block) > MAX_CONFIG_ENTRIES:
             raise QuantConfigError(
@@ -132,10 +134,11 @@ class GptqFormat(CheckpointFormat):
 
     def _dynamic(self, runtime_name: str) -> dict[str, Any] | bool | None:
         """False: a negative rule matched; a dict: overrides; None: no rule matched."""
-        for pattern, overrides in self.dynamic:
-            if pattern.match(runtime_name) is not None:
-                return False if overrides is None else overrides
-        return None
+        rule = self.dynamic_rules.first(runtime_name)
+        if rule is None:
+            return None
+        overrides = self.dynamic[rule]
+        return False if overrides is None else overrides
 
     def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
         has_q = self.ckpt.has(f"{module}.qweight")
