@@ -36,14 +36,24 @@ def pull_command(
     rank: Annotated[int | None, typer.Option(help="TP rank: pull only its files (default: all)")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="default: KILN_CACHE_DIR")] = None,
 ) -> None:
-    """Download an artifact (parallel ranged GETs, resumable, sha256-verified) into the local cache."""
+    """Download an artifact (parallel ranged GETs, resumable, sha256-verified) into the local cache.
+    A URI ending in `@sha256:<hex>` pins the manifest's digest (printed on stderr after a pull)."""
+    from runtime.artifact.manifest import read_manifest_bytes
+    from runtime.artifact.manifest_pin import PIN_MARK, manifest_sha256, split_pin
     from runtime.progress import pull_with_progress
     from runtime.settings import get_settings
 
     try:
         path = pull_with_progress(uri, cache_dir or get_settings().cache_dir, rank)
+        digest = manifest_sha256(read_manifest_bytes(path))
     except KilnError as e:
         raise _fail(e) from e
+    err.print(
+        f"manifest sha256 {digest} (pin it: {split_pin(uri)[0]}{PIN_MARK}{digest})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
     typer.echo(str(path))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import mmap
 import os
@@ -26,7 +25,9 @@ from kernels.base import LinearKernel, LinearSpec, Target, check_stored
 from kernels.errors import KilnError, LayoutError
 from kernels.moe_base import MoEKernel, MoESpec
 from kernels.registry import get_kernel, get_moe_kernel
+from runtime.artifact.listed_files import ListedFileError, ListedFiles
 from runtime.artifact.manifest import LayerEntry, Manifest, artifact_file
+from runtime.artifact.model_values import HF_CONFIG, checked_model_config
 from runtime.artifact.safetensors_header import (
     DTYPES,
     SafetensorsFormatError,
@@ -194,22 +195,45 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-def _eos_ids(artifact_dir: Path, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
-    ids: set[int] = set()
+GENERATION_CONFIG = "generation_config.json"
 
-    def add(v: object) -> None:
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, list):
-            ids.update(i for i in v if isinstance(i, int))
 
-    add(hf_config.get("eos_token_id"))
-    gen = artifact_dir / "generation_config.json"
-    if gen.is_file():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
+def token_ids(value: object, where: str) -> set[int]:
+    """An `eos_token_id` value (absent, a token id or a list of them) as a set; ListedFileError
+    naming `where` for anything else."""
+    if value is None:
+        return set()
+    items = value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+        raise ListedFileError(
+            f"{where}: eos_token_id = {str(value)[:80]}: must be a token id or a list of token ids; "
+            "the artifact is corrupt or was altered — pull it again or re-convert it"
+        )
+    return set(items)
+
+
+def eos_token_ids(files: ListedFiles, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a generation: the model config's, generation_config.json's (when the manifest
+    lists it) and the tokenizer's eos token."""
+    ids = token_ids(hf_config.get("eos_token_id"), HF_CONFIG)
+    generation = files.json_object(GENERATION_CONFIG)
+    if generation is not None:
+        ids |= token_ids(generation.get("eos_token_id"), str(files.artifact_dir / GENERATION_CONFIG))
+    if tokenizer is not None and isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def config_dimensions(cfg: ModelConfig) -> str:
+    """The model config's dimensions, as its fields are named (for errors about shapes)."""
+    dims = (
+        f"hidden_size = {cfg.hidden_size}, intermediate_size = {cfg.intermediate_size}, "
+        f"num_attention_heads = {cfg.num_heads}, num_key_value_heads = {cfg.num_kv_heads}, "
+        f"head_dim = {cfg.head_dim}, vocab_size = {cfg.vocab_size}"
+    )
+    if cfg.moe is not None:
+        dims += f", experts = {cfg.moe.num_experts} of intermediate size {cfg.moe.intermediate_size}"
+    return dims
 
 
 def check_layer_shape(
@@ -224,7 +248,8 @@ def check_layer_shape(
     if (spec.n, spec.k, spec.k_full) != (want.n, want.k, layout.k):
         problems.append(
             f"spec has N={spec.n}, K={spec.k} (whole K {spec.k_full}); the model config gives "
-            f"N={want.n}, K={want.k} (whole K {layout.k}) on rank {rank} of {world_size}"
+            f"N={want.n}, K={want.k} (whole K {layout.k}) on rank {rank} of {world_size} "
+            f"({HF_CONFIG}: {config_dimensions(cfg)})"
         )
     elif got_shards != want.shard_sizes:
         problems.append(f"shard sizes {list(got_shards)}, the model config gives {list(want.shard_sizes)}")
@@ -297,6 +322,42 @@ def map_rank_files(artifact_dir: Path, manifest: Manifest, rank: int) -> list[Ma
     return files
 
 
+def check_kernel_fits(
+    what: str, kernel: LinearKernel | MoEKernel, layout_version: int, spec: Any, target: Target
+) -> None:
+    """The kernel a manifest names lays its tensors out as the manifest's layout version says, and
+    takes the layer's spec (bits, group size, scheme, strategy) on the artifact's target."""
+    if layout_version != kernel.layout_version:
+        raise LoadError(
+            f"{what}: stored in {kernel.name} layout version {layout_version}, this Kiln's {kernel.name} "
+            f"reads version {kernel.layout_version}; re-convert the checkpoint with this Kiln"
+        )
+    ok, reason = kernel.can_implement(spec, target)
+    if not ok:
+        raise LoadError(f"{what}: kernel {kernel.name} cannot run its spec: {reason}; {ARTIFACT_FIX}")
+
+
+def check_dimensions(cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int) -> None:
+    """The model config's vocabulary and hidden sizes against the shapes the rank files' headers
+    give the embedding, the final norm and an untied lm_head (before anything is built from them)."""
+    want = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": (cfg.hidden_size,),
+        "lm_head.weight": (cfg.vocab_size, cfg.hidden_size),
+    }
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is None:
+            if name != "lm_head.weight":
+                raise LoadError(f"tensor {name} is missing from rank {rank}'s files; {ARTIFACT_FIX}")
+        elif tuple(t.shape) != shape:
+            raise LoadError(
+                f"{HF_CONFIG}: vocab_size = {cfg.vocab_size}, hidden_size = {cfg.hidden_size} make {name} "
+                f"{shape}, but rank {rank}'s files hold it as {tuple(t.shape)}; the manifest was altered "
+                f"or does not belong to these files — {ARTIFACT_FIX}"
+            )
+
+
 @dataclass(frozen=True)
 class CheckedLinear:
     """A linear layer of this rank: its kernel, this rank's spec and its tensors (views of the
@@ -322,6 +383,7 @@ def checked_linear_layers(
             )
         kernel = get_kernel(entry.kernel)
         spec = entry.linear_spec()
+        check_kernel_fits(f"manifest layer {name}", kernel, entry.layout_version, spec, manifest.target)
         check_layer_shape(name, spec, layout, cfg, rank, world_size)
         mine = {
             suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
@@ -359,6 +421,7 @@ def checked_expert_groups(
     for name, entry in manifest.expert_groups.items():
         kernel = get_moe_kernel(entry.kernel)
         spec = rank_moe_spec(entry.moe_spec(), layouts[name], rank, world_size, manifest.expert_parallel)
+        check_kernel_fits(f"expert group {name}", kernel, entry.layout_version, spec, manifest.target)
         mine = {
             suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
         }
@@ -439,19 +502,21 @@ def load_model(
 
     started = time.perf_counter()
     artifact_dir = Path(artifact_dir)
+    # Every value of the manifest and its model config, checked before anything is mapped or built
+    # (the manifest's size is capped before it is parsed: MAX_MANIFEST_BYTES).
     manifest = Manifest.load(artifact_dir)
+    cfg = checked_model_config(manifest)
     device = device or default_device(manifest)
     check_target(manifest.target, device)
     check_tp(manifest, rank, world_size)
-
-    cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
     dtype = compute_dtype(manifest, device)
-    has_lm_head_layer = "lm_head" in manifest.layers
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
 
     files = map_rank_files(artifact_dir, manifest, rank)
     tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+    check_dimensions(cfg, tensors, rank)
+    has_lm_head_layer = "lm_head" in manifest.layers
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
 
     def to_device(t: torch.Tensor) -> torch.Tensor:
         return t if device == "cpu" else t.to(device, non_blocking=False)
@@ -506,7 +571,8 @@ def load_model(
     if leftover:
         raise LoadError(f"parameters left unbound: {leftover[:5]}")
 
-    tokenizer = load_tokenizer(artifact_dir) if with_tokenizer else None
+    listed = ListedFiles(artifact_dir, manifest)
+    tokenizer = load_tokenizer(artifact_dir, manifest) if with_tokenizer else None
     return LoadedModel(
         model=model,
         manifest=manifest,
@@ -518,7 +584,7 @@ def load_model(
         world_size=world_size,
         kv_cache_dtype=kv_cache_dtype,
         dtype=dtype,
-        eos_token_ids=_eos_ids(artifact_dir, manifest.hf_config, tokenizer),
+        eos_token_ids=eos_token_ids(listed, manifest.hf_config, tokenizer),
         files=files,
         load_seconds=time.perf_counter() - started,
     )

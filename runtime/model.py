@@ -43,7 +43,7 @@ from kernels.base import LinearKernel, LinearSpec
 from kernels.errors import UnsupportedError
 from kernels.moe_base import MoEKernel, MoESpec
 from runtime.kv_cache import KVCache
-from runtime.model_layout import ARCHITECTURES, ModelConfig, rank_shape
+from runtime.model_layout import ARCHITECTURES, ModelConfig, ModelConfigError, rank_shape
 
 # Logits recomputed in fp32 after the (bf16) tied lm_head GEMM: the largest ones, which greedy
 # decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
@@ -89,6 +89,25 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> torch.Tensor:
     raise UnsupportedError(
         f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, dynamic)"
     )
+
+
+def check_rope(cfg: ModelConfig) -> None:
+    """The rotary frequencies this config gives (up to its longest context) are computable, finite
+    and positive in fp32: UnsupportedError for a rope scaling kind this model lacks, ModelConfigError for
+    values that together give NaN, infinite or zero frequencies."""
+    try:
+        inv_freq = rope_inv_freq(cfg, cfg.max_position_embeddings).float()  # as rope_tables uses them
+    except (ZeroDivisionError, OverflowError) as e:
+        raise ModelConfigError(
+            f"rope_theta = {cfg.rope_theta} with rope scaling {cfg.rope_scaling} and head_dim = "
+            f"{cfg.head_dim}: the rotary frequencies cannot be computed ({e}); the model config is "
+            "corrupt or was altered — re-convert the checkpoint"
+        ) from e
+    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
+        raise ModelConfigError(
+            f"rope_theta = {cfg.rope_theta} with rope scaling {cfg.rope_scaling} gives non-finite or "
+            "zero rotary frequencies; the model config is corrupt or was altered — re-convert the checkpoint"
+        )
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,8 @@ replicated on every rank (the vocabulary is not sharded).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,17 +35,100 @@ CLASS_ROW = "RowParallelLinear"
 CLASS_LM_HEAD = "ParallelLMHead"
 CLASS_REPLICATED = "ReplicatedLinear"
 CLASS_EXPERT = "Linear"  # experts are plain Linears in checkpoints (llm-compressor targets "Linear")
+# Sanity bounds on a model config's values (far above any model Kiln runs). The tight bounds are the
+# tensors: the loader checks the dimensions against the manifest's layers and the rank files'
+# safetensors headers before it builds anything.
+MAX_DIMENSION = 1 << 20  # hidden_size, intermediate_size, head_dim
+MAX_VOCAB_SIZE = 1 << 22
+MAX_LAYERS = 1 << 12
+MAX_HEADS = 1 << 12
+MAX_POSITIONS = 1 << 26  # max_position_embeddings, sliding_window, rope's original context
+MAX_EXPERTS = 1 << 14
+MAX_ROPE_THETA = 1e12
+MAX_ROPE_FACTOR = 1e6
+# Rope scaling kinds the model computes, with the keys each needs (runtime/model.py rope_inv_freq).
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+}
 _DIMENSIONS = {
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "vocab_size": "vocab_size",
+    "hidden_size": ("hidden_size", MAX_DIMENSION),
+    "intermediate_size": ("intermediate_size", MAX_DIMENSION),
+    "num_layers": ("num_hidden_layers", MAX_LAYERS),
+    "num_heads": ("num_attention_heads", MAX_HEADS),
+    "vocab_size": ("vocab_size", MAX_VOCAB_SIZE),
 }
 
 
 class ModelConfigError(KilnError):
-    """config.json lacks a model dimension or has one of the wrong type."""
+    """The model config (config.json, or a manifest's hf_config) lacks a value, or has one of the
+    wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class ConfigValues:
+    """Typed reads of a model config's values: each refuses a wrong type, a non-finite number or a
+    value out of range with a ModelConfigError naming where, the key and the value. Absent and null
+    values take the default (or are an error when there is none)."""
+
+    cfg: Mapping[str, Any]
+    where: str  # "config.json", "manifest.json hf_config", ... (nested: "... rope_scaling")
+
+    def error(self, key: str, value: Any, rule: str) -> ModelConfigError:
+        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+        return ModelConfigError(
+            f"{self.where}: {key} = {shown[:80]}: {rule}; the model config is corrupt or was altered "
+            "— re-convert the checkpoint"
+        )
+
+    def integer(self, key: str, hi: int, *, lo: int = 1, default: int | None = None) -> int:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is None:
+                raise ModelConfigError(f"{self.where} is missing {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.error(key, value, f"must be an integer in [{lo}, {hi}]")
+        return value
+
+    def real(self, key: str, default: float, *, hi: float, hi_open: bool = False) -> float:
+        """A finite number in (0, hi] (or (0, hi) when `hi_open`)."""
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or not (0 < value < hi if hi_open else 0 < value <= hi):
+            raise self.error(key, value, f"must be a finite number in (0, {hi:g}{')' if hi_open else ']'}")
+        return float(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, value, "must be true or false")
+        return value
+
+    def text(self, key: str) -> str | None:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self.error(key, value, "must be a string")
+        return value
+
+    def mapping(self, key: str) -> ConfigValues | None:
+        value = self.cfg.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.error(key, value, "must be an object")
+        return ConfigValues(value, f"{self.where} {key}")
+
+    def finite_numbers(self) -> None:
+        """Every number directly in this mapping is finite."""
+        for key, value in self.cfg.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise self.error(key, value, "must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -71,57 +156,86 @@ class ModelConfig:
         return self.moe is not None and self.moe.applies_to(layer)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
-        """Parse a Hugging Face config.json; `architecture` overrides its `architectures[0]`."""
+    def from_hf(
+        cls, cfg: dict[str, Any], architecture: str | None = None, *, where: str = "config.json"
+    ) -> ModelConfig:
+        """Parse a Hugging Face config.json (`where` names it in errors); `architecture` overrides
+        its `architectures[0]`. Every value read is checked for type, finiteness and range."""
         archs = cfg.get("architectures")
         arch = architecture or (archs[0] if isinstance(archs, list) and archs else cfg.get("model_type"))
         if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise UnsupportedError(f"architecture {arch!r} is not supported; supported: {supported}")
-        try:
-            return cls._parse(cfg, arch)
-        except KeyError as e:
-            raise ModelConfigError(f"config.json is missing {e.args[0]!r}") from e
-        except (TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as e:
-            raise ModelConfigError(
-                f"config.json has a malformed model dimension ({e}); hidden_size, intermediate_size, "
-                "num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim and vocab_size "
-                "must be positive integers"
-            ) from e
+        return cls._parse(ConfigValues(cfg, where), arch)
 
     @classmethod
-    def _parse(cls, cfg: dict[str, Any], arch: str) -> ModelConfig:
-        dims = {field: _positive(cfg[key], key) for field, key in _DIMENSIONS.items()}
+    def _parse(cls, read: ConfigValues, arch: str) -> ModelConfig:
+        dims = {field: read.integer(key, hi) for field, (key, hi) in _DIMENSIONS.items()}
         heads, hidden = dims["num_heads"], dims["hidden_size"]
-        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = rope or cfg.get("rope_scaling") or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
+        if hidden % heads:
+            raise read.error("num_attention_heads", heads, f"must divide hidden_size = {hidden}")
+        kv_heads = read.integer("num_key_value_heads", heads, default=heads)
+        if heads % kv_heads:
+            raise read.error("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
+        head_dim = read.integer("head_dim", MAX_DIMENSION, default=hidden // heads)
+        if head_dim % 2:
+            raise read.error("head_dim", head_dim, "must be even (rotary embeddings rotate pairs)")
+        # A context holds at least a prompt token and a generated one.
+        max_positions = read.integer("max_position_embeddings", MAX_POSITIONS, lo=2, default=4096)
+        theta, scaling = _rope(read)
         family = ARCHITECTURES[arch]
-        windowed = family.sliding_window or bool(cfg.get("use_sliding_window"))
-        moe = family.experts.parse(cfg, dims["num_layers"]) if family.experts is not None else None
+        windowed = family.sliding_window or read.flag("use_sliding_window")
+        window = read.integer("sliding_window", MAX_POSITIONS, lo=2, default=0) if windowed else 0
+        moe = family.experts.parse(read, dims["num_layers"]) if family.experts is not None else None
         return cls(
             architecture=arch,
             **dims,
-            num_kv_heads=_positive(cfg.get("num_key_value_heads") or heads, "num_key_value_heads"),
-            head_dim=_positive(cfg.get("head_dim") or hidden // heads, "head_dim"),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=read.real("rms_norm_eps", 1e-6, hi=1.0, hi_open=True),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
-            sliding_window=cfg.get("sliding_window") if windowed else None,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=read.flag("tie_word_embeddings"),
+            qkv_bias=family.qkv_bias or read.flag("attention_bias"),
+            sliding_window=window or None,
+            torch_dtype=read.text("torch_dtype") or read.text("dtype") or "bfloat16",
             qk_norm=family.qk_norm,
             moe=moe,
         )
+
+
+def _rope(read: ConfigValues) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the rope scaling (None for plain rope). transformers 5 keeps both in
+    `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`."""
+    params = read.mapping("rope_parameters")
+    if params is not None and "rope_theta" in params.cfg:
+        theta = params.real("rope_theta", 10000.0, hi=MAX_ROPE_THETA)
+    else:
+        theta = read.real("rope_theta", 10000.0, hi=MAX_ROPE_THETA)
+    rest = {k: v for k, v in params.cfg.items() if k != "rope_theta"} if params is not None else {}
+    scaling = (
+        ConfigValues(rest, params.where) if rest and params is not None else read.mapping("rope_scaling")
+    )
+    if scaling is None:
+        return theta, None
+    scaling.finite_numbers()
+    kind = scaling.text("rope_type") or scaling.text("type") or "default"
+    if kind == "default":
+        return theta, None
+    for key in ROPE_SCALING_KEYS.get(kind, ()):
+        if scaling.cfg.get(key) is None:
+            raise ModelConfigError(f"{scaling.where}: rope_type {kind!r} needs {key!r}, which is missing")
+    if "factor" in scaling.cfg:
+        scaling.real("factor", 1.0, hi=MAX_ROPE_FACTOR)
+    if "original_max_position_embeddings" in scaling.cfg:
+        scaling.integer("original_max_position_embeddings", MAX_POSITIONS)
+    if kind == "llama3":
+        low = scaling.real("low_freq_factor", 1.0, hi=MAX_ROPE_FACTOR)
+        high = scaling.real("high_freq_factor", 4.0, hi=MAX_ROPE_FACTOR)
+        if high <= low:
+            raise scaling.error("high_freq_factor", high, f"must exceed low_freq_factor = {low}")
+    return theta, {**{k: v for k, v in scaling.cfg.items() if v is not None}, "rope_type": kind}
 
 
 @dataclass(frozen=True)
@@ -137,13 +251,6 @@ class MoEConfig:
 
     def applies_to(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
-
-
-def _positive(value: Any, key: str) -> int:
-    number = int(value)
-    if number <= 0 or isinstance(value, bool):
-        raise ValueError(f"{key} = {value!r}")
-    return number
 
 
 @dataclass(frozen=True)
@@ -260,24 +367,27 @@ class ExpertNaming:
     renormalize_key: str | None  # None: always renormalize (Mixtral's softmax over the top k)
     renormalize_default: bool = False
 
-    def parse(self, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-        experts = int(next((cfg[k] for k in self.num_experts_keys if cfg.get(k)), 0))
-        if experts <= 0:
+    def parse(self, read: ConfigValues, num_layers: int) -> MoEConfig | None:
+        key = next((k for k in self.num_experts_keys if read.cfg.get(k)), None)
+        experts = 0 if key is None else read.integer(key, MAX_EXPERTS)
+        if experts == 0:
             return None
-        dense = cfg.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-            raise ValueError(f"mlp_only_layers = {dense!r}")
+        dense = read.cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in dense
+        ):
+            raise read.error("mlp_only_layers", dense, "must be a list of layer indices")
         renormalize = (
             True
             if self.renormalize_key is None
-            else bool(cfg.get(self.renormalize_key, self.renormalize_default))
+            else read.flag(self.renormalize_key, self.renormalize_default)
         )
         return MoEConfig(
             num_experts=experts,
-            top_k=_positive(cfg["num_experts_per_tok"], "num_experts_per_tok"),
-            intermediate_size=_positive(cfg[self.intermediate_key], self.intermediate_key),
+            top_k=read.integer("num_experts_per_tok", experts),
+            intermediate_size=read.integer(self.intermediate_key, MAX_DIMENSION),
             renormalize=renormalize,
-            sparse_step=_positive(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step"),
+            sparse_step=read.integer("decoder_sparse_step", MAX_LAYERS, default=1),
             dense_layers=frozenset(i for i in dense if 0 <= i < num_layers),
         )
 

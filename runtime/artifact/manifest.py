@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -28,6 +29,7 @@ from kernels.base import LinearSpec
 from kernels.errors import KilnError
 from kernels.moe_base import MoESpec
 from kernels.targets import Target
+from runtime.artifact.spec_values import check_linear_spec, check_moe_spec
 
 SCHEMA_VERSION = 1
 # Bump when the converter writes different bytes for the same inputs (2: config.json carries Kiln's
@@ -36,6 +38,10 @@ ARTIFACT_REVISION = 2
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
 MOE_SCHEMA_VERSION = 2  # manifests with expert groups (schema 1 readers could not run them)
 MANIFEST_NAME = "manifest.json"
+# A manifest is read whole and parsed before anything else: larger ones are refused unread. Real ones
+# are KBs to a few MB (a 94-layer, 128-expert MoE lists its ≈150k source tensor names in ≈10 MB).
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_TP = 1 << 12
 # Every file of an artifact lies directly in its directory (or key prefix): one path component of
 # letters, digits, '_', '-' and '.', not starting with '.', so never '..', a path, or a hidden file.
 FILE_NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}"
@@ -103,6 +109,11 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Numbers are never coerced ("4", 4.5 or true are not a count) and never negative.
+Count = Annotated[int, Field(strict=True, ge=0)]
+Amount = Annotated[float, Field(strict=True, ge=0)]
+
+
 class SourceInfo(_Model):
     uri: str
     format: str  # detected checkpoint format: gptq | awq | fp8 | compressed-tensors | dense | <plugin>
@@ -119,15 +130,15 @@ class Rejection(_Model):
 class LayerVerification(_Model):
     ok: bool
     metric: Literal["exact", "max_rel_err", "max_step_err"]  # max_step_err: in units of the int step
-    value: float  # 0.0 for exact matches
-    bound: float  # the documented bound the value was checked against
+    value: Amount  # 0.0 for exact matches
+    bound: Amount  # the documented bound the value was checked against
 
 
 class LayerEntry(_Model):
     """One linear layer (fused name) as stored for its kernel. `spec` is per TP rank."""
 
     kernel: str
-    layout_version: int
+    layout_version: Count
     spec: dict[str, Any]  # kernels.base.LinearSpec.to_json()
     tensors: list[str]  # tensor suffixes present in every rank file ("qweight", "scales", ...)
     source_tensors: list[str] = Field(default_factory=list)  # checkpoint tensor names read
@@ -138,6 +149,7 @@ class LayerEntry(_Model):
     @field_validator("spec")
     @classmethod
     def _spec_is_a_linear_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_linear_spec(v)
         try:
             LinearSpec.from_json(v)
         except (TypeError, KeyError, AttributeError) as e:
@@ -152,7 +164,7 @@ class ExpertGroupEntry(_Model):
     """One MoE layer's expert group, stacked for its expert-group kernel. `spec` is rank 0's."""
 
     kernel: str
-    layout_version: int
+    layout_version: Count
     spec: dict[str, Any]  # kernels.moe_base.MoESpec.to_json()
     tensors: list[str]  # stacked tensor names relative to the group ("w13.qweight", "w2.scales", ...)
     source_tensors: list[str] = Field(default_factory=list)
@@ -163,6 +175,7 @@ class ExpertGroupEntry(_Model):
     @field_validator("spec")
     @classmethod
     def _spec_is_a_moe_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_moe_spec(v)
         try:
             MoESpec.from_json(v)
         except (TypeError, KeyError, AttributeError) as e:
@@ -175,9 +188,9 @@ class ExpertGroupEntry(_Model):
 
 class FileEntry(_Model):
     name: str  # a plain file name inside the artifact directory (FILE_NAME_PATTERN)
-    size: int = Field(ge=0)
+    size: Count
     sha256: str
-    rank: int | None = Field(default=None, ge=0)  # None: needed by every rank (config, tokenizer)
+    rank: Count | None = None  # None: needed by every rank (config, tokenizer)
 
     @field_validator("name")
     @classmethod
@@ -194,10 +207,10 @@ class FileEntry(_Model):
 
 class Verification(_Model):
     ok: bool
-    layers_checked: int
-    layers_exact: int
-    max_rel_err: float
-    seconds: float
+    layers_checked: Count
+    layers_exact: Count
+    max_rel_err: Amount
+    seconds: Amount
 
 
 class Manifest(_Model):
@@ -207,11 +220,11 @@ class Manifest(_Model):
     created_at: str  # ISO 8601 UTC
     source: SourceInfo
     target: Target
-    tp: int = Field(ge=1)
+    tp: Annotated[int, Field(strict=True, ge=1, le=MAX_TP)]
     method: str  # auto | fp8
     options: dict[str, Any] = Field(default_factory=dict)  # e.g. {"fp8_scheme": "tensor"}
     architecture: str  # e.g. LlamaForCausalLM
-    act_dtype: str  # activation dtype the kernels were prepared for
+    act_dtype: Literal["bfloat16", "float16", "float32"]  # activation dtype the kernels were prepared for
     hf_config: dict[str, Any]  # config.json contents
     layers: dict[str, LayerEntry]  # runtime layer name -> entry
     other_tensors: list[str]  # non-linear tensor names (embeddings, norms)
@@ -257,6 +270,10 @@ class Manifest(_Model):
 
     @classmethod
     def parse(cls, raw: bytes | str, where: str = MANIFEST_NAME) -> Manifest:
+        """The manifest in `raw`: at most MAX_MANIFEST_BYTES of JSON without NaN / Infinity, every
+        value of its type and range; ManifestError naming the field otherwise."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(_too_large(where, len(raw)))
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, over-long numbers, deep nesting
@@ -265,6 +282,12 @@ class Manifest(_Model):
             ) from e
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        bad = _non_finite_number(data)
+        if bad is not None:
+            raise ManifestError(
+                f"{where}: {bad[0]} = {bad[1]}: numbers must be finite (JSON has no NaN or Infinity); "
+                "the manifest was altered — pull the artifact again or re-convert it"
+            )
         version = data.get("schema_version")
         if (
             isinstance(version, bool)
@@ -284,10 +307,44 @@ class Manifest(_Model):
 
     @classmethod
     def load(cls, artifact_dir: Path) -> Manifest:
-        path = artifact_dir / MANIFEST_NAME
-        if not path.is_file():
-            raise ManifestError(f"{path} not found: not a committed Kiln artifact (conversion incomplete?)")
-        return cls.parse(path.read_bytes(), str(path))
+        return cls.parse(read_manifest_bytes(artifact_dir), str(artifact_dir / MANIFEST_NAME))
+
+
+def read_manifest_bytes(artifact_dir: Path) -> bytes:
+    """The bytes of `artifact_dir`'s manifest, refused unread when over MAX_MANIFEST_BYTES."""
+    path = artifact_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{path} not found: not a committed Kiln artifact (conversion incomplete?)")
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(_too_large(str(path), size))
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(_too_large(str(path), len(raw)))
+    return raw
+
+
+def _too_large(where: str, size: int) -> str:
+    return (
+        f"{where}: {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit of a manifest "
+        "(runtime/artifact/manifest.py MAX_MANIFEST_BYTES); it was not parsed — the artifact is corrupt "
+        "or was altered"
+    )
+
+
+def _non_finite_number(doc: dict[str, Any]) -> tuple[str, float] | None:
+    """(path, value) of the first NaN or infinite number in a parsed JSON document, if any."""
+    stack: list[tuple[str, Any]] = [("", doc)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path or "manifest", value
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 def _describe(e: ValidationError, most: int = 5) -> str:
@@ -318,22 +375,67 @@ def artifact_id(
     method: str,
     layout_versions: dict[str, int],
     options: dict[str, Any] | None = None,
+    *,
+    revision: int | None = ARTIFACT_REVISION,
 ) -> str:
-    """Digest of what determines an artifact's bytes: same inputs -> same id (conversion is a no-op)."""
-    key = json.dumps(
-        {
-            "source": source_digest_hex,
-            "target": target,
-            "tp": tp,
-            "method": method,
-            "layouts": dict(sorted(layout_versions.items())),
-            "options": dict(sorted((options or {}).items())),
-            "schema": SCHEMA_VERSION,
-            "revision": ARTIFACT_REVISION,
-        },
-        sort_keys=True,
-    )
+    """Digest of what determines an artifact's bytes: same inputs -> same id (conversion is a no-op).
+    `revision=None`: the ids of artifacts converted before the revision was part of the digest."""
+    fields: dict[str, Any] = {
+        "source": source_digest_hex,
+        "target": target,
+        "tp": tp,
+        "method": method,
+        "layouts": dict(sorted(layout_versions.items())),
+        "options": dict(sorted((options or {}).items())),
+        "schema": SCHEMA_VERSION,
+    }
+    if revision is not None:
+        fields["revision"] = revision
+    key = json.dumps(fields, sort_keys=True)
     return "ka-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+KNOWN_REVISIONS = (ARTIFACT_REVISION, None)
+
+
+def check_derived_id(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
+    """The manifest's artifact id is the digest of its own source, target, tp, method, options and
+    kernel layout versions (`artifact_id`): ManifestError when one of them was edited. (The id covers
+    only these: the rest of the manifest is pinned by its own sha256, runtime/artifact/pull.py.)"""
+    if source_digest(manifest.source.files) != manifest.source.digest:
+        raise ManifestError(
+            f"{where}: source.digest {manifest.source.digest} is not the digest of source.files; the "
+            "manifest was altered — pull the artifact again or re-convert it"
+        )
+    entries: list[LayerEntry | ExpertGroupEntry] = [
+        *manifest.layers.values(),
+        *manifest.expert_groups.values(),
+    ]
+    layouts: dict[str, int] = {}
+    for entry in entries:
+        if layouts.setdefault(entry.kernel, entry.layout_version) != entry.layout_version:
+            raise ManifestError(
+                f"{where}: kernel {entry.kernel} is listed with layout versions {layouts[entry.kernel]} and "
+                f"{entry.layout_version}; the manifest was altered — pull the artifact again or re-convert it"
+            )
+    derived = [
+        artifact_id(
+            manifest.source.digest,
+            manifest.target,
+            manifest.tp,
+            manifest.method,
+            layouts,
+            manifest.options,
+            revision=revision,
+        )
+        for revision in KNOWN_REVISIONS
+    ]
+    if manifest.artifact_id not in derived:
+        raise ManifestError(
+            f"{where}: artifact_id {manifest.artifact_id}, but its source, target, tp, method, options "
+            f"and kernel layout versions give {derived[0]}: one of them was altered — pull the artifact "
+            "again or re-convert it"
+        )
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -12,9 +12,15 @@
 4. A complete `.part` is hashed; only when its sha256 equals the manifest's is it renamed to its
    name (a crash never leaves a file that looks complete). A mismatch deletes the `.part` and
    raises `PullError` naming the file, expected and actual digests; nothing is published.
-5. manifest.json is written last, so its presence marks the artifact as complete for this rank.
+5. manifest.json is written last, so its presence marks the artifact as complete for this rank;
+   `.manifest.sha256` before it records the sha256 of the manifest fetched
+   (runtime/artifact/manifest_pin.py).
 
-A local directory URI is verified in place (sizes and sha256) and returned as is: no copy.
+Before any file is fetched the manifest itself is checked: its size (MAX_MANIFEST_BYTES), its digest
+against a pin the URI may carry (`…/ka-…@sha256:<hex>`), its artifact id against the URI's and
+against the digest of its own id fields (`check_derived_id`), and every value of its model config
+(`checked_model_config`). A local directory URI gets the same checks and is verified in place
+(sizes and sha256 of every file it lists) and returned as is: no copy.
 
 File names come from the manifest, which `Manifest.parse` restricts to plain names of the artifact's
 own files; every join below goes through `artifact_file`, which checks the name again and refuses a
@@ -44,6 +50,7 @@ from runtime.artifact.cache_files import (
 )
 from runtime.artifact.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     PART_SUFFIX,
     PROGRESS_SUFFIX,
     TMP_SUFFIX,
@@ -51,9 +58,21 @@ from runtime.artifact.manifest import (
     Manifest,
     ManifestError,
     artifact_file,
+    check_derived_id,
     is_artifact_id,
+    read_manifest_bytes,
     sha256_file,
 )
+from runtime.artifact.manifest_pin import (
+    RECORD_NAME,
+    check_pin,
+    check_recorded,
+    manifest_sha256,
+    record,
+    recorded,
+    split_pin,
+)
+from runtime.artifact.model_values import checked_model_config
 from runtime.artifact.s3_client import make_client
 from runtime.settings import RuntimeSettings, get_settings
 
@@ -103,16 +122,30 @@ def check_sizes(artifact_dir: Path, entries: list[FileEntry]) -> None:
             raise PullError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
 
 
+def checked_manifest(raw: bytes, where: str, pin: str | None) -> Manifest:
+    """The manifest in `raw`, refused unless it is the pinned one (when `pin`), its id is the digest
+    of its own id fields, and every value of its model config is of its type and range."""
+    check_pin(raw, where, pin)
+    manifest = Manifest.parse(raw, where)
+    check_derived_id(manifest, where)
+    checked_model_config(manifest)
+    return manifest
+
+
 def verify_local(
     artifact_dir: Path,
     rank: int | None = None,
     progress: ProgressFn | None = None,
     *,
     workers: int = WORKERS,
+    manifest_sha256: str | None = None,
 ) -> Manifest:
-    """Check every needed file of a local artifact against the manifest: sizes, then the sha256 of
-    every file, hashed in parallel (hashlib releases the GIL); `progress` sees the bytes hashed."""
-    manifest = Manifest.load(artifact_dir)
+    """Check a local artifact: its manifest (`checked_manifest`; against `manifest_sha256` when
+    given, and against the digest its pull recorded), then every needed file it lists: sizes, then
+    sha256, hashed in parallel (hashlib releases the GIL); `progress` sees the bytes hashed."""
+    raw = read_manifest_bytes(artifact_dir)
+    check_recorded(artifact_dir, raw)
+    manifest = checked_manifest(raw, str(artifact_dir / MANIFEST_NAME), manifest_sha256)
     entries = needed_files(manifest, rank)
     check_sizes(artifact_dir, entries)
     total = sum(e.size for e in entries)
@@ -151,16 +184,17 @@ def pull(
     workers: int = WORKERS,
 ) -> Path:
     """Local directory with the verified artifact (see the module docstring)."""
+    uri, pin = split_pin(uri)
     if not uri.startswith("s3://"):
         path = Path(uri.removeprefix("file://")).expanduser()
         if not path.is_dir():
             raise PullError(
                 f"{uri}: no such directory (artifact URIs are s3://bucket/prefix/<id> or a local dir)"
             )
-        verify_local(path, rank, progress, workers=workers)
+        verify_local(path, rank, progress, workers=workers, manifest_sha256=pin)
         return path
     return _S3Pull(
-        uri, Path(cache_dir), rank, progress, settings or get_settings(), chunk_size, workers
+        uri, Path(cache_dir), rank, progress, settings or get_settings(), chunk_size, workers, pin
     ).run()
 
 
@@ -174,6 +208,7 @@ class _S3Pull:
         settings: RuntimeSettings,
         chunk_size: int,
         workers: int,
+        pin: str | None,
     ) -> None:
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         prefix = prefix.strip("/")
@@ -192,6 +227,8 @@ class _S3Pull:
         self.settings = settings
         self.chunk_size = chunk_size
         self.workers = workers
+        self.pin = pin
+        self._recorded = False  # this pull wrote the manifest's digest record
         self._lock = threading.Lock()
         self._done = 0
         self._total = 0
@@ -215,8 +252,12 @@ class _S3Pull:
         if not (self.dest / MANIFEST_NAME).is_file():
             return False
         try:
-            manifest = Manifest.load(self.dest)
-        except ManifestError:
+            raw = read_manifest_bytes(self.dest)
+            check_recorded(self.dest, raw)
+            check_pin(raw, str(self.dest / MANIFEST_NAME), self.pin)
+            manifest = Manifest.parse(raw, str(self.dest / MANIFEST_NAME))
+        except ManifestError as e:
+            log.warning("%s: not using the cached copy: %s", self.uri, e)
             return False
         entries = needed_files(manifest, self.rank)
         if not all(_is_published(artifact_file(self.dest, e.name), e) for e in entries):
@@ -234,12 +275,15 @@ class _S3Pull:
 
         client = self._client()
         try:
-            raw = client.get_object(Bucket=self.bucket, Key=self._key(MANIFEST_NAME))["Body"].read()
+            # Read no more than the limit: Manifest.parse refuses a larger manifest unparsed.
+            body = client.get_object(Bucket=self.bucket, Key=self._key(MANIFEST_NAME))["Body"]
+            raw = body.read(MAX_MANIFEST_BYTES + 1)
+            body.close()
         except (ClientError, BotoCoreError) as e:
             raise PullError(
                 f"{self.uri}: cannot read {MANIFEST_NAME} ({e}); is this a committed artifact?"
             ) from e
-        manifest = Manifest.parse(raw, f"{self.uri}/{MANIFEST_NAME}")
+        manifest = checked_manifest(raw, f"{self.uri}/{MANIFEST_NAME}", self.pin)
         if manifest.artifact_id != self.artifact_id:
             raise PullError(
                 f"{self.uri}: its manifest describes artifact {manifest.artifact_id}, not "
@@ -261,6 +305,9 @@ class _S3Pull:
                 todo.append(entry)
         try:
             self._fetch_all(client, todo)
+            if recorded(self.dest) != manifest_sha256(raw):
+                self._recorded = True
+                record(self.dest, raw)
             replace_atomically(self.dest / MANIFEST_NAME, raw)
         except (ClientError, BotoCoreError) as e:
             raise PullError(f"{self.uri}: download failed ({e}); run the pull again to resume") from e
@@ -296,6 +343,9 @@ class _S3Pull:
                     log.warning("%s: could not remove %s (%s)", self.uri, path, err)
         try:
             (self.dest / (MANIFEST_NAME + TMP_SUFFIX)).unlink(missing_ok=True)
+            (self.dest / (RECORD_NAME + TMP_SUFFIX)).unlink(missing_ok=True)
+            if self._recorded:
+                (self.dest / RECORD_NAME).unlink(missing_ok=True)
             if created:
                 self.dest.rmdir()  # only if empty: a concurrent rank's files stay
         except OSError:

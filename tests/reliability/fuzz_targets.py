@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, replace
@@ -368,3 +370,108 @@ def manifest_from_conversion(work: Path) -> bytes:
         write_checkpoint(src, "gptq", dims=TINY_DIMS, group_size=32, act_order=True)
     result = convert(ConversionRequest(str(src), ["cpu"], out=str(work / "manifest-out")))[0]
     return Path(result.uri, "manifest.json").read_bytes()
+
+
+# ---- (d) manifest values, loaded -----------------------------------------------------------------
+
+# What an edited manifest can put in a numeric field: NaN / ±inf (Python's json writes NaN and
+# Infinity), negative, zero, one, fractional, tiny, huge, and the wrong type.
+HOSTILE_VALUES: tuple[Any, ...] = (
+    float("nan"), float("inf"), float("-inf"), -1, 0, 1, 0.5, 1e-300, 1e308, 2**63, 10**7, -(2**31),
+    "1", True, None, [], {},
+)  # fmt: skip
+JsonPath = tuple[str | int, ...]
+
+
+def numeric_paths(doc: Any, path: JsonPath = ()) -> list[JsonPath]:
+    """Every place in a JSON document that holds a number (not a bool)."""
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in numeric_paths(v, (*path, k))]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in numeric_paths(v, (*path, i))]
+    return [path] if isinstance(doc, int | float) and not isinstance(doc, bool) else []
+
+
+def with_value(doc: dict[str, Any], path: JsonPath, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(doc)
+    spot: Any = out
+    for key in path[:-1]:
+        spot = spot[key]
+    spot[path[-1]] = value
+    return out
+
+
+class FailedAtFirstToken(AssertionError):
+    """A manifest the loader accepted could not produce a first token with a finite logprob."""
+
+
+class CrashedAtLoad(AssertionError):
+    """The loader raised something other than a KilnError (a traceback for the user)."""
+
+
+@dataclass(frozen=True)
+class ValueCase:
+    path: JsonPath
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{'.'.join(map(str, self.path))} = {self.value!r}"
+
+
+class ManifestValuesTarget:
+    """A real artifact whose manifest has one numeric field replaced by a hostile value. The loader
+    must refuse it with a KilnError, or load it and generate a first token with a finite logprob:
+    anything else at load (CrashedAtLoad) or at the first token (FailedAtFirstToken) is a failure."""
+
+    def __init__(self, artifact: Path, work: Path) -> None:
+        self.dir = work / artifact.name
+        if not self.dir.exists():
+            shutil.copytree(artifact, self.dir)
+        self.valid = (artifact / "manifest.json").read_bytes()
+        self.doc = json.loads(self.valid)
+        self.paths = numeric_paths(self.doc)
+        # Synthetic checkpoints carry no tokenizer: such artifacts are loaded without one.
+        self.with_tokenizer = any(f["name"] == "tokenizer.json" for f in self.doc["files"])
+        if not self.run(ValueCase(("schema_version",), self.doc["schema_version"])):
+            raise AssertionError(f"{artifact}: the untouched manifest does not load: nothing to fuzz")
+
+    def cases(self, values_per_field: int | None = None) -> list[ValueCase]:
+        """Every numeric field with `values_per_field` hostile values (all of them when None), the
+        values rotating over the fields so that every value meets many fields."""
+        n = len(HOSTILE_VALUES) if values_per_field is None else values_per_field
+        return [
+            ValueCase(path, HOSTILE_VALUES[(i * n + j) % len(HOSTILE_VALUES)])
+            for i, path in enumerate(self.paths)
+            for j in range(n)
+        ]
+
+    def run(self, case: ValueCase) -> bool:
+        """True when the artifact loaded (and produced its first token), False when refused."""
+        from runtime.engine import Engine
+        from runtime.loader import load_model
+        from runtime.sampling import SamplingParams
+
+        (self.dir / "manifest.json").write_text(json.dumps(with_value(self.doc, case.path, case.value)))
+        try:
+            loaded = load_model(self.dir, with_tokenizer=self.with_tokenizer)
+        except KilnError:
+            return False
+        except Exception as e:  # anything else reaches the user as a traceback: the failure sought
+            raise CrashedAtLoad(f"{case}: {type(e).__name__}: {e}") from e
+        outputs = []
+        try:
+            engine = Engine(loaded, max_num_seqs=1)
+            engine.add_request("fuzz", [1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1))
+            while engine.has_unfinished() and len(outputs) < 4:
+                outputs += engine.step()
+        except Exception as e:  # a KilnError here too: the manifest should have been refused at load
+            raise FailedAtFirstToken(f"{case}: loaded, then {type(e).__name__}: {e}") from e
+        tokens = [
+            (t, lp.logprob)
+            for out in outputs
+            for t, lp in zip(out.new_token_ids, out.logprobs or [], strict=False)
+        ]
+        vocab = loaded.config.vocab_size
+        if not tokens or not all(0 <= t < vocab and math.isfinite(lp) for t, lp in tokens):
+            raise FailedAtFirstToken(f"{case}: loaded, then produced (token, logprob) {tokens}")
+        return True

@@ -1,7 +1,11 @@
 """Property-based fuzzing (bounded; bench/fuzz.py runs >= 10,000 cases per target): over the
 safetensors header validator and readers, the config detector and Manifest.parse, every input either
 succeeds or raises the target's documented error class — SafetensorsFormatError, a KilnError
-(QuantConfigError / ConversionError / UnsupportedError), ManifestError — never anything else."""
+(QuantConfigError / ConversionError / UnsupportedError), ManifestError — never anything else.
+
+Manifest values, exhaustively: every numeric field of two real manifests (a dense Llama, a GPTQ int4
+conversion) set to every hostile value (NaN, ±inf, negative, zero, huge, wrong types) is refused at
+load with a KilnError, or loads and generates a first token with a finite logprob."""
 
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ from hypothesis import strategies as st
 
 from tests.reliability.fuzz_targets import (
     ConfigTarget,
+    CrashedAtLoad,
+    FailedAtFirstToken,
     ManifestTarget,
+    ManifestValuesTarget,
     SafetensorsTarget,
     fuzz_settings,
     gen_safetensors,
@@ -125,3 +132,33 @@ def test_the_manifest_fuzzer_counts_an_accepted_traversal_name_as_a_failure(
         except UnsafeNameAccepted:
             failures += 1
     assert failures > 0
+
+
+@pytest.fixture(scope="module")
+def int4_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GPTQ int4 g64 checkpoint converted for cpu (cpu_int4 layers, a quantized lm_head)."""
+    from services.convert.library import ConversionRequest, convert
+    from tests.helpers.synthetic import Dims, write_checkpoint
+
+    work = tmp_path_factory.mktemp("fuzz-int4")
+    dims = Dims(hidden=128, intermediate=256, layers=1, heads=2, kv_heads=1, head_dim=64, vocab=64)
+    src = write_checkpoint(work / "src", "gptq", dims=dims, group_size=64)
+    return Path(convert(ConversionRequest(str(src), ["cpu"], out=str(work / "out")))[0].uri)
+
+
+@pytest.mark.parametrize("base", ["llama_artifact", "int4_artifact"])
+def test_manifest_values_are_refused_at_load_or_run(
+    base: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    artifact = request.getfixturevalue(base)
+    target = ManifestValuesTarget(artifact[1] if isinstance(artifact, tuple) else artifact, tmp_path)
+    cases = target.cases()
+    failures, loaded = [], 0
+    for case in cases:
+        try:
+            if target.run(case):
+                loaded += 1
+        except (CrashedAtLoad, FailedAtFirstToken) as e:
+            failures.append(f"{type(e).__name__}: {e}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:30])
+    assert len(target.paths) > 50 and loaded < len(cases) // 4  # real coverage; most are refused

@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,37 @@ def write_artifact(
     )
     (out / MANIFEST_NAME).write_bytes(manifest.to_json_bytes())
     return out
+
+
+# ---- edited copies (tampering tests) ----------------------------------------------------------
+
+
+def copy_artifact(artifact: Path, dest_root: Path) -> Path:
+    """A copy of `artifact` under dest_root/<its name>/ (an edit never touches the shared original)."""
+    out = dest_root / artifact.name
+    shutil.copytree(artifact, out)
+    return out
+
+
+def edit_manifest(artifact: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `edit` to the parsed manifest.json and write it back as JSON (NaN / Infinity as Python's
+    json writes them: what an edited manifest can hold)."""
+    doc = json.loads((artifact / MANIFEST_NAME).read_text())
+    edit(doc)
+    (artifact / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+def list_file(artifact: Path, name: str, payload: bytes) -> None:
+    """Write `payload` as `name` and list it in the manifest with its true size and sha256."""
+    (artifact / name).write_bytes(payload)
+    entry = {"name": name, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(), "rank": None}
+
+    def relist(doc: dict[str, Any]) -> None:
+        doc["files"] = [f for f in doc["files"] if f["name"] != name] + [entry]
+
+    edit_manifest(artifact, relist)
+
+
+def unlist_file(artifact: Path, name: str) -> None:
+    """Leave `name` in the directory but take it off the manifest's file list."""
+    edit_manifest(artifact, lambda doc: doc.update(files=[f for f in doc["files"] if f["name"] != name]))

@@ -45,8 +45,8 @@ def _tampered(artifact: Path, dest: Path, edit: Callable[[dict[str, Any]], None]
 
 def _set_shards(doc: dict[str, Any]) -> None:
     shards = doc["layers"][QKV]["spec"]["shards"]
-    shards[0]["size"] += 64
-    shards[1]["size"] -= 64
+    shards[0]["size"] -= 64
+    shards[1]["size"] += 64
 
 
 def _set_hidden(doc: dict[str, Any]) -> None:
@@ -73,13 +73,13 @@ def _set_vocab(doc: dict[str, Any]) -> None:
 
 TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "shard sizes": (_set_shards, "shard sizes"),
-    "hidden size": (_set_hidden, "model config gives"),
-    "kernel int4 -> int8": (_set_kernel("cpu_int8"), "does not store"),
-    "kernel int4 -> gptq": (_set_kernel("gptq_wna16"), "does not store"),
+    "hidden size": (_set_hidden, r"hidden_size = 256 make model\.embed_tokens\.weight \(64, 256\)"),
+    "kernel int4 -> int8": (_set_kernel("cpu_int8"), "cpu_int8 takes 8-bit weights only"),
+    "kernel int4 -> gptq": (_set_kernel("gptq_wna16"), r"gptq_wna16 runs on the .* targets only"),
     "group size": (_set_spec(group_size=32), "scales_and_zeros"),
     "N": (_set_spec(n=192), "model config gives"),
     "asymmetric": (_set_spec(symmetric=False), "zero_offsets"),
-    "vocab": (_set_vocab, "lm_head.*gives N=80"),
+    "vocab": (_set_vocab, r"vocab_size = 80, .* but rank 0's files hold it as \(64, 128\)"),
 }
 
 
