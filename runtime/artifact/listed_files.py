@@ -9,8 +9,11 @@ verified — a chat template or a generation config edited in place is refused, 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +53,7 @@ class ListedFiles:
                 "limit of a tokenizer or config file (runtime/artifact/listed_files.py); " + ARTIFACT_FIX
             )
         try:
-            with path.open("rb") as f:
-                data = f.read(MAX_LISTED_FILE_BYTES + 1)
+            data = _read_regular_file(path, MAX_LISTED_FILE_BYTES)
         except FileNotFoundError as e:
             raise ListedFileError(f"{path} is missing (the manifest lists it); {ARTIFACT_FIX}") from e
         except OSError as e:
@@ -98,3 +100,16 @@ class ListedFiles:
             data = self.read(name)
             assert data is not None
             (directory / name).write_bytes(data)
+
+
+def _read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """Up to `max_bytes` + 1 bytes of `path`, which must be a regular file (a FIFO or a device in
+    its place would block or never end): opened without blocking, checked before reading."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(max_bytes + 1)
+    finally:
+        os.close(fd)

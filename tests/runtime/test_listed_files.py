@@ -129,3 +129,13 @@ def test_an_unlisted_tokenizer_is_not_loaded(
     unlist_file(art, "tokenizer.json")
     with pytest.raises(TokenizerError, match="cannot load the tokenizer"):
         load_model(art)
+
+
+def test_a_fifo_in_place_of_a_listed_file_is_refused_not_waited_on(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
+    art = copy_artifact(llama_artifact[1], tmp_path)
+    (art / "chat_template.jinja").unlink()
+    os.mkfifo(art / "chat_template.jinja")
+    with pytest.raises(ListedFileError, match=r"chat_template\.jinja: cannot be read \(not a regular file\)"):
+        load_model(art)
