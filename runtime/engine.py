@@ -69,8 +69,8 @@ class ContextLengthError(InvalidRequestError):
         self.max_model_len = max_model_len
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
-        self.param: ContextParam = param
-        super().__init__(self._message())
+        self.param = param
+        super().__init__(self._message(), param)
 
     def __reduce__(self) -> tuple[type[ContextLengthError], tuple[int, int, int | None, ContextParam]]:
         return type(self), (self.max_model_len, self.prompt_len, self.max_tokens, self.param)
@@ -239,12 +239,13 @@ class Engine:
         resolve_max_tokens(len(prompt_ids), params.max_tokens, None, self.max_model_len)
         vocab = self.loaded.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         banned = {t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < vocab}
         if params.min_tokens > 0 and len(banned) >= vocab:
             raise InvalidRequestError(
                 "stop_token_ids and the EOS tokens cover the whole vocabulary: with min_tokens > 0 "
-                "no token could be generated; drop min_tokens or some stop_token_ids"
+                "no token could be generated; drop min_tokens or some stop_token_ids",
+                "stop_token_ids",
             )
         generator = None
         if params.seed is not None:

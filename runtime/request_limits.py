@@ -24,15 +24,19 @@ MAX_PROMPTS = 256  # prompts in one completions request
 
 
 class InvalidRequestError(KilnError):
-    """A request's parameters are invalid; the server answers 400 with this message."""
+    """A request's parameters are invalid; the server answers 400 with this message, naming the
+    field `param` when one is at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTooLargeError(InvalidRequestError):
     """A request over one of the caps: a 400 naming the field (`param`) and the cap."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 def max_prompt_chars(max_model_len: int) -> int:
@@ -76,4 +80,3 @@ def check_stop(stop: list[str], stop_token_ids: list[int]) -> None:
             f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
             "stop_token_ids",
         )
-

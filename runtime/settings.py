@@ -19,6 +19,8 @@ from typing import Literal, TypeVar
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.body_limit import BODY_IDLE_TIMEOUT_S, BODY_TIMEOUT_S
+
 # Development credentials shipped in docker-compose.yml / MinIO defaults: refused outside development.
 DEFAULT_SECRETS = frozenset({"change-me", "changethis", "kiln", "kiln-secret", "minioadmin", "postgres"})
 
@@ -40,6 +42,10 @@ class RuntimeSettings(BaseSettings):
     # --- serving ---------------------------------------------------------------------------------
     num_threads: int = 0  # 0: torch default
     serve_max_request_bytes: int = Field(default=8 << 20, gt=0)  # `kiln serve` bodies over this: 413
+    # Both servers (`kiln serve`, `kiln api`): a request body must arrive whole within this many
+    # seconds, with no pause over the idle timeout; else 408 and the connection is closed.
+    request_body_timeout_s: float = Field(default=BODY_TIMEOUT_S, gt=0)
+    request_body_idle_timeout_s: float = Field(default=BODY_IDLE_TIMEOUT_S, gt=0)
     # `kiln serve --api-key`: clients send `Authorization: Bearer <key>` (all but health/metrics/version)
     api_key: SecretStr | None = None
 

@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from runtime.body_limit import BODY_IDLE_TIMEOUT_S, BODY_TIMEOUT_S
 from runtime.settings import DEFAULT_SECRETS, RuntimeSettings, process_settings
 
 
@@ -58,10 +57,6 @@ class ServiceSettings(RuntimeSettings):
 
     # --- API --------------------------------------------------------------------------------
     max_request_bytes: int = 1 << 20
-    # A request body must arrive whole within this many seconds, with no pause over the idle
-    # timeout; else 408 and the connection is closed (runtime/body_limit.py).
-    request_body_timeout_s: float = Field(default=BODY_TIMEOUT_S, gt=0)
-    request_body_idle_timeout_s: float = Field(default=BODY_IDLE_TIMEOUT_S, gt=0)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api_page_size_max: int = 200
     # Conversions of server-local paths over the API: None = allowed in development/test only.

@@ -37,6 +37,7 @@ from runtime.openai.protocol import (
 )
 from runtime.openai.serving import OpenAIServing
 from runtime.request_limits import InvalidRequestError
+from runtime.settings import get_settings
 from runtime.version import kiln_version
 
 if TYPE_CHECKING:
@@ -75,16 +76,16 @@ def build_app(
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
-    if max_request_bytes is None:
-        from runtime.settings import get_settings
-
-        max_request_bytes = get_settings().serve_max_request_bytes
+    settings = get_settings()
     app.add_middleware(
         BodySizeLimit,
-        max_bytes=max_request_bytes,
+        max_bytes=settings.serve_max_request_bytes if max_request_bytes is None else max_request_bytes,
         error_body=lambda message: OpenAIError(
             413, message + " (kiln serve --max-request-bytes)", code="request_too_large"
         ).body(),
+        body_timeout_s=settings.request_body_timeout_s,
+        body_idle_timeout_s=settings.request_body_idle_timeout_s,
+        timeout_error_body=lambda message: OpenAIError(408, message, code="request_timeout").body(),
     )
     if api_key:
         app.add_middleware(ApiKeyCheck, api_key=api_key)

@@ -58,7 +58,9 @@ def engine_error(e: Exception) -> OpenAIError:
         return OpenAIError(500, str(e), type_="server_error", code="request_failed")
     if isinstance(e, ContextLengthError):
         return OpenAIError(400, str(e), param="messages", code=CONTEXT_LENGTH_EXCEEDED)
-    if isinstance(e, InvalidRequestError | ChatTemplateError):
+    if isinstance(e, InvalidRequestError):
+        return OpenAIError(400, str(e), param=e.param)
+    if isinstance(e, ChatTemplateError):
         return OpenAIError(400, str(e))
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type_="server_error", code="engine_dead")

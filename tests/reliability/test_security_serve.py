@@ -5,12 +5,14 @@
 - Prompts, messages, stop strings and ids to detokenize over their caps are refused before any
   tokenizing or searching; while a client sends such requests, /health answers within a second.
 - `--api-key` guards every path but /health, /metrics and /version.
+- A request body that stalls is a 408 and its connection is closed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.timing, pytest.mark.timeout(600)]
 MODEL = "tiny"
 MAX_MODEL_LEN = 512  # the tiny config's max_position_embeddings
 HEALTH_LIMIT_S = 1.0
+API_KEY = "k3y-for-tests"
 LONG = 400  # tokens of the innocent stream: long enough to share the batch with the hostile ones
 
 
@@ -211,29 +214,51 @@ def test_stop_strings_at_their_cap_cost_little(url: str) -> None:
     assert seconds < 10 and worst < HEALTH_LIMIT_S, (seconds, worst)
 
 
-def test_api_key_guards_every_path_but_health_metrics_and_version(artifact: Path, tmp_path: Path) -> None:
-    server = _serve(artifact, tmp_path / "serve.log", env={"KILN_API_KEY": "k3y-for-tests"})
+@pytest.fixture(scope="module")
+def strict(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server with an API key and a 1 s pause allowed within a request body."""
+    env = {"KILN_API_KEY": API_KEY, "KILN_REQUEST_BODY_IDLE_TIMEOUT_S": "1"}
+    server = _serve(artifact, tmp_path_factory.mktemp("strict-log") / "serve.log", env=env)
     try:
-        guarded = [
-            ("POST", "/tokenize", {"prompt": "hi"}),
-            ("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
-            ("POST", "/detokenize", {"tokens": [1, 2]}),
-            ("GET", "/tokenizer_info", None),
-            ("GET", "/docs", None),
-            ("GET", "/openapi.json", None),
-            ("GET", "/redoc", None),
-            ("GET", "/v1/models", None),
-            ("GET", "/no-such-path", None),
-        ]
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            for method, path, body in guarded:
-                r = client.request(method, path, json=body)
-                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
-                ok = client.request(
-                    method, path, json=body, headers={"Authorization": "Bearer k3y-for-tests"}
-                )
-                assert ok.status_code in (200, 404), (path, ok.text)
-            for path in ("/health", "/metrics", "/version"):
-                assert client.get(path).status_code == 200, path
+        yield server.url
     finally:
         server.stop()
+
+
+def test_api_key_guards_every_path_but_health_metrics_and_version(strict: str) -> None:
+    guarded = [
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/detokenize", {"tokens": [1, 2]}),
+        ("GET", "/tokenizer_info", None),
+        ("GET", "/docs", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/redoc", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/no-such-path", None),
+    ]
+    with httpx.Client(base_url=strict, timeout=30) as client:
+        for method, path, body in guarded:
+            r = client.request(method, path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+            ok = client.request(method, path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            assert ok.status_code in (200, 404), (path, ok.text)
+        for path in ("/health", "/metrics", "/version"):
+            assert client.get(path).status_code == 200, path
+
+
+def test_a_stalled_request_body_is_a_408_and_the_connection_closes(strict: str) -> None:
+    host, port = strict.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b'{"prompt": ')  # and then nothing
+        start = time.perf_counter()
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        waited = time.perf_counter() - start
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer and waited < 10, waited

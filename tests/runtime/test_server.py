@@ -15,6 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.chat import apply_chat_template
+from runtime.request_limits import max_prompt_chars
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 from tests.runtime.serving import MODEL_NAME, RunningServer, serve_artifact
 
@@ -527,15 +528,15 @@ def test_oversized_bodies_get_a_413_before_they_are_read(client: httpx.Client) -
 
 
 class SlowTokenizer:
-    """The artifact's tokenizer, taking `delay_s` longer on every prompt over 1 MB: a stand-in for the
-    seconds a real BPE tokenizer spends on a multi-megabyte prompt."""
+    """The artifact's tokenizer, taking `delay_s` longer on every prompt over 1,000 characters: a
+    stand-in for the time a real tokenizer spends on the longest prompt a large context admits."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self._inner = inner
         self._delay_s = delay_s
 
     def __call__(self, text: str, **kw: Any) -> Any:
-        if len(text) > 1 << 20:
+        if len(text) > 1000:
             time.sleep(self._delay_s)
         return self._inner(text, **kw)
 
@@ -551,7 +552,7 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(artifact: Path) -> None:
     (The prompt is then refused for its length; the point is that the loop stays free meanwhile.)"""
     import threading
 
-    prompt = "The quick brown fox jumps over the lazy dog. " * 50_000  # ≈2.2 MB
+    prompt = "x" * max_prompt_chars(MAX_MODEL_LEN)  # the most characters a prompt may have
     slow = SLOW_TOKENIZATION_S
     with serve_artifact(
         artifact, max_model_len=MAX_MODEL_LEN, tokenizer=lambda t: SlowTokenizer(t, slow)
