@@ -38,12 +38,15 @@ def pull_with_progress(uri: str, cache_dir: Path, rank: int | None = None) -> Pa
         return pull(uri, cache_dir, rank, on_progress)
 
 
-def verify_with_progress(artifact_dir: Path, rank: int | None = None) -> Manifest:
-    """sha256 of every file of a local artifact (this rank's, or all) against its manifest."""
+def verify_with_progress(
+    artifact_dir: Path, rank: int | None = None, manifest_sha256: str | None = None
+) -> Manifest:
+    """sha256 of every file of a local artifact (this rank's, or all) against its manifest, and of
+    the manifest against `manifest_sha256` when pinned."""
     with _bar() as bar:
         task = bar.add_task(f"verify {artifact_dir.name}", total=None)
 
         def on_progress(p: PullProgress) -> None:
             bar.update(task, completed=p.bytes_done, total=p.bytes_total)
 
-        return verify_local(artifact_dir, rank, on_progress)
+        return verify_local(artifact_dir, rank, on_progress, manifest_sha256=manifest_sha256)

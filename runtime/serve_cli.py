@@ -46,9 +46,14 @@ VERIFY_HELP = (
 def resolve_artifact(artifact: str, cache_dir: Path | None, *, verify: bool = False) -> Path:
     """A local artifact directory as is (the loader checks sizes, headers and shapes), or an `s3://…`
     artifact pulled into the cache (downloads hashed; a cached copy is reused). `verify` hashes every
-    file of the result against the manifest."""
+    file of the result against the manifest. A local directory may carry a pin (`DIR@sha256:<hex>`):
+    the manifest's digest is then checked too, and `verify` is implied."""
+    from runtime.artifact.manifest_pin import split_pin
     from runtime.progress import pull_with_progress, verify_with_progress
 
+    pin = None
+    if not artifact.startswith("s3://"):
+        artifact, pin = split_pin(artifact)
     if artifact.startswith("s3://"):
         from runtime.settings import get_settings
 
@@ -60,8 +65,8 @@ def resolve_artifact(artifact: str, cache_dir: Path | None, *, verify: bool = Fa
                 f"{artifact}: not a directory and not an s3:// URI", param_hint="ARTIFACT"
             )
         path = artifact_in(path)
-    if verify:
-        verify_with_progress(path)
+    if verify or pin is not None:
+        verify_with_progress(path, manifest_sha256=pin)
     return path
 
 

@@ -144,3 +144,20 @@ def test_kiln_pull_prints_the_manifest_digest_and_honours_a_pin(
     )
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
     assert wrong.stderr.strip().splitlines()[-1].startswith("error:") and "the URI pins 1111" in wrong.stderr
+
+
+def test_kiln_generate_honours_a_pin_on_a_local_directory(
+    tmp_path: Path, llama_artifact: tuple[PreTrainedModel, Path]
+) -> None:
+    art = copy_artifact(llama_artifact[1], tmp_path)
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    args = ["--prompt", "hi", "--max-tokens", "1"]
+    ok = subprocess.run(
+        [kiln, "generate", f"{art}@sha256:{_digest(art)}", *args], capture_output=True, text=True, timeout=300
+    )
+    assert ok.returncode == 0, ok.stderr
+    wrong = subprocess.run(
+        [kiln, "generate", f"{art}@sha256:{'2' * 64}", *args], capture_output=True, text=True, timeout=300
+    )
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
+    assert "the URI pins 2222" in wrong.stderr
