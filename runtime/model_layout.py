@@ -46,6 +46,21 @@ MAX_POSITIONS = 1 << 26  # max_position_embeddings, sliding_window, rope's origi
 MAX_EXPERTS = 1 << 14
 MAX_ROPE_THETA = 1e12
 MAX_ROPE_FACTOR = 1e6
+# The caps above by config.json field: what the converter (services/convert/limits.py) checks on a
+# checkpoint's config before planning, and what the loader checks on a manifest's.
+DIMENSION_CAPS: dict[str, int] = {
+    "num_hidden_layers": MAX_LAYERS,
+    "hidden_size": MAX_DIMENSION,
+    "intermediate_size": MAX_DIMENSION,
+    "moe_intermediate_size": MAX_DIMENSION,
+    "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS,
+    "head_dim": MAX_DIMENSION,
+    "vocab_size": MAX_VOCAB_SIZE,
+    "num_experts": MAX_EXPERTS,
+    "num_local_experts": MAX_EXPERTS,
+    "num_experts_per_tok": MAX_EXPERTS,
+}
 # Rope scaling kinds the model computes, with the keys each needs (runtime/model.py rope_inv_freq).
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "original_max_position_embeddings"),

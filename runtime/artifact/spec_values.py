@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from runtime.model_layout import MAX_EXPERTS
+
 # Far above any layer (the lm_head of a 4M-token vocabulary); the model config bounds them tightly.
 MAX_FEATURES = 1 << 24
-MAX_EXPERTS = 1 << 14
 BITS = (2, 3, 4, 8, 16, 32)
 
 

@@ -6,7 +6,8 @@ the converter walk. A 1 KB config claiming `num_hidden_layers: 1e6` once kept /v
 41 s and grew the API from 0.4 to 3 GB. So, before a checkpoint is planned:
 
 - every JSON file is size-checked before it is parsed (`JSON_MAX_BYTES`);
-- every model dimension is within an absolute cap (`DIMENSION_CAPS`, far above any released model);
+- every model dimension is within an absolute cap (`DIMENSION_CAPS`, runtime/model_layout.py: the
+  runtime's own caps, far above any released model);
 - the dimensions are checked against the tensors the safetensors headers actually hold: no more
   layers, hidden width or vocabulary rows than present, and MLP sizes (dense and per expert) whose
   weights would fit in the bytes present even at 2 bits per weight (`check_dimensions`); an expert
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from runtime.model_layout import ARCHITECTURES, ExpertNaming
+from runtime.model_layout import ARCHITECTURES, DIMENSION_CAPS, ExpertNaming
 from services.convert.errors import ConversionError
 
 CONFIG_JSON_MAX_BYTES = 1 << 20
@@ -43,19 +44,6 @@ MAX_CONFIG_ENTRIES = 4096  # names in one list field of a quantization config (i
 # Patterns x modules planned (each module's name may be tried against every pattern, ~3 us each).
 MAX_PATTERN_MATCHES = 2_000_000
 
-DIMENSION_CAPS: Mapping[str, int] = {
-    "num_hidden_layers": 1024,
-    "hidden_size": 1 << 17,
-    "intermediate_size": 1 << 20,
-    "moe_intermediate_size": 1 << 18,
-    "num_attention_heads": 1024,
-    "num_key_value_heads": 1024,
-    "head_dim": 4096,
-    "vocab_size": 1 << 22,
-    "num_experts": 4096,
-    "num_local_experts": 4096,
-    "num_experts_per_tok": 4096,
-}
 MIN_BITS_PER_WEIGHT = 2  # the narrowest format Kiln reads (GPTQ 2-bit)
 LAYER_PREFIX = "model.layers."
 
@@ -115,7 +103,7 @@ def check_dimensions(config: Mapping[str, Any], tensors: Mapping[str, _Tensor]) 
     hidden = _check_hidden_and_vocab(dims, tensors)
     for key, value in dims.items():
         if value > DIMENSION_CAPS[key]:
-            raise _refuse(key, value, f"Kiln caps it at {DIMENSION_CAPS[key]} (services/convert/limits.py)")
+            raise _refuse(key, value, f"Kiln caps it at {DIMENSION_CAPS[key]} (runtime/model_layout.py)")
     naming = _expert_naming(config)
     _check_mlp_bytes(dims, hidden, held, naming.intermediate_key if naming is not None else None)
 
