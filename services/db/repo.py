@@ -14,15 +14,17 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kernels.errors import KilnError
-from runtime.artifact.manifest import Manifest
 from services.db.models import TERMINAL_STATUSES, ApiToken, Artifact, ArtifactFile, Job, utcnow
+
+if TYPE_CHECKING:
+    from runtime.artifact.manifest import Manifest  # annotations only: `kiln admin` imports no torch
 
 TOKEN_PREFIX = "kiln_"
 

@@ -9,10 +9,38 @@ from pathlib import Path
 
 import pytest
 
-from services.db import repo
+from services.db import migrate, repo
 from services.db.session import session_scope
 from services.settings import ServiceSettings as Settings
 from tests.services.conftest import REPO
+
+
+class AdminCli:
+    """`kiln admin …` run as an operator runs it (a subprocess) against its own migrated SQLite."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.url = f"sqlite:///{tmp_path / 'cli.db'}"
+        self.env = {"KILN_DATABASE_URL": self.url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+        migrate.upgrade(self.url)  # `kiln db upgrade` has its own test (test_migrations.py)
+
+    def __call__(self, *args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == rc, out.stdout + out.stderr
+        return out
+
+    def settings(self) -> Settings:
+        return Settings(_env_file=None, database_url=self.url)  # type: ignore[call-arg]
+
+
+@pytest.fixture
+def kiln(tmp_path: Path) -> AdminCli:
+    return AdminCli(tmp_path)
 
 
 @pytest.fixture
@@ -42,25 +70,14 @@ def test_revoke_by_id_or_name_is_idempotent_and_refuses_unknown(settings: Settin
             repo.revoke_tokens(s, name="nobody")
 
 
-def test_kiln_admin_revoke_token(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'cli.db'}"
-    env = {"KILN_DATABASE_URL": url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
-
-    def kiln(*args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(
-            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
-        )
-        assert out.returncode == rc, out.stdout + out.stderr
-        return out
-
-    kiln("db", "upgrade")
+def test_kiln_admin_revoke_token(kiln: AdminCli) -> None:
     created = kiln("admin", "create-token", "--name", "alice")
     plain = created.stdout.strip()
     assert plain.startswith(repo.TOKEN_PREFIX) and "created token 1 ('alice')" in created.stderr
     assert "1\talice\tuser" in kiln("admin", "list-tokens").stdout
 
     assert kiln("admin", "revoke-token", "--name", "alice").stdout.strip() == "revoked token 1 ('alice')"
-    with session_scope(Settings(_env_file=None, database_url=url)) as s:  # type: ignore[call-arg]
+    with session_scope(kiln.settings()) as s:
         assert repo.find_token(s, plain) is None  # the API now answers 401 for it
     assert "already revoked" in kiln("admin", "revoke-token", "--id", "1").stdout
     assert "revoked 20" in kiln("admin", "list-tokens").stdout  # revoked <timestamp>
@@ -69,25 +86,16 @@ def test_kiln_admin_revoke_token(tmp_path: Path) -> None:
     assert "no API token with name 'bob'" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
-def test_a_token_named_with_digits_is_revoked_by_name_not_taken_for_an_id(tmp_path: Path) -> None:
+def test_a_token_named_with_digits_is_revoked_by_name_not_taken_for_an_id(kiln: AdminCli) -> None:
     """Security finding 11: `revoke-token 1` revoked the bootstrap admin (id 1), not the token named "1".
     The id and the name are now separate options, and a bare argument is refused before anything."""
-    env = {"KILN_DATABASE_URL": f"sqlite:///{tmp_path / 'cli.db'}", "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
-
-    def kiln(*args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(
-            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
-        )
-        assert out.returncode == rc, out.stdout + out.stderr
-        return out
-
-    kiln("db", "upgrade")
-    kiln("admin", "create-token", "--name", "bootstrap-admin", "--admin")  # id 1
-    kiln("admin", "create-token", "--name", "1")  # id 2, named "1"
+    with session_scope(kiln.settings()) as s:
+        repo.create_token(s, "bootstrap-admin", is_admin=True)  # id 1
+        repo.create_token(s, "1")  # id 2, named "1"
 
     def states() -> dict[str, str]:
-        rows = [line.split("\t") for line in kiln("admin", "list-tokens").stdout.splitlines()]
-        return {f"{r[0]}:{r[1]}": r[4].split()[0] for r in rows}
+        with session_scope(kiln.settings()) as s:
+            return {f"{t.id}:{t.name}": "revoked" if t.revoked_at else "active" for t in repo.list_tokens(s)}
 
     bare = kiln("admin", "revoke-token", "1", rc=2)
     assert "Traceback" not in bare.stderr
@@ -103,17 +111,7 @@ def test_a_token_named_with_digits_is_revoked_by_name_not_taken_for_an_id(tmp_pa
     assert states() == {"1:bootstrap-admin": "revoked", "2:1": "revoked"}
 
 
-def test_a_token_can_be_narrowed_to_source_buckets(tmp_path: Path) -> None:
-    env = {"KILN_DATABASE_URL": f"sqlite:///{tmp_path / 'cli.db'}", "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
-
-    def kiln(*args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(
-            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
-        )
-        assert out.returncode == rc, out.stdout + out.stderr
-        return out
-
-    kiln("db", "upgrade")
+def test_a_token_can_be_narrowed_to_source_buckets(kiln: AdminCli) -> None:
     created = kiln("admin", "create-token", "--name", "ci", "--source-buckets", "models, data")
     assert "sources from bucket(s) models, data only" in created.stderr
     kiln("admin", "create-token", "--name", "any")
@@ -121,5 +119,12 @@ def test_a_token_can_be_narrowed_to_source_buckets(tmp_path: Path) -> None:
     lines = kiln("admin", "list-tokens").stdout.splitlines()
     assert lines[0].startswith("1\tci\tuser") and lines[0].endswith("\tsource buckets models,data")
     assert lines[1].startswith("2\tany\tuser") and "source buckets" not in lines[1]
-    with session_scope(Settings(_env_file=None, database_url=env["KILN_DATABASE_URL"])) as s:  # type: ignore[call-arg]
+    with session_scope(kiln.settings()) as s:
         assert [t.source_buckets for t in repo.list_tokens(s)] == [["models", "data"], None]
+
+
+def test_the_admin_commands_import_no_torch() -> None:
+    """`kiln admin …` is an operator's quick command: no torch import (1.7 s) on its path."""
+    code = "import sys, services.ops_cli, services.db.repo; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
