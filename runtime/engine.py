@@ -401,23 +401,29 @@ class Engine:
         """End one request whose logits could not be sampled (NaN / +inf from the model, or no
         finite logit left); the rest of the batch carries on."""
         log.error("request %s: the model produced no samplable logits; ending it alone", seq.request_id)
-        seq.finished, seq.finish_reason = True, "error"
+        return self._ended(
+            seq,
+            "error",
+            f"the model produced non-finite logits for this request after {len(seq.output_ids)} "
+            "generated tokens; it was ended alone (other requests are unaffected)",
+        )
+
+    def _ended(self, seq: _Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        """Mark `seq` finished for `reason` ("error" / "abort") and its last output, with no token."""
+        seq.finished, seq.finish_reason = True, reason
         seq.metrics.finished_time = time.monotonic()
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[],
             text_delta="",
             finished=True,
-            finish_reason="error",
+            finish_reason=reason,
             logprobs=None,
             prompt_logprobs=None,
             num_prompt_tokens=len(seq.prompt_ids),
             num_generated=len(seq.output_ids),
             metrics=seq.metrics,
-            error=(
-                f"the model produced non-finite logits for this request after {len(seq.output_ids)} "
-                "generated tokens; it was ended alone (other requests are unaffected)"
-            ),
+            error=error,
         )
 
     def _release(self, seq: _Sequence) -> None:
@@ -437,23 +443,9 @@ class Engine:
             if seq is None:
                 return []
             self._waiting.remove(seq)
-        seq.finished, seq.finish_reason = True, "abort"
-        seq.metrics.finished_time = time.monotonic()
+        output = self._ended(seq, "abort")
         self._release(seq)
-        return [
-            RequestOutput(
-                request_id=request_id,
-                new_token_ids=[],
-                text_delta="",
-                finished=True,
-                finish_reason="abort",
-                logprobs=None,
-                prompt_logprobs=None,
-                num_prompt_tokens=len(seq.prompt_ids),
-                num_generated=len(seq.output_ids),
-                metrics=seq.metrics,
-            )
-        ]
+        return [output]
 
     @torch.inference_mode()
     def _calibrate_kv_scales(self) -> None:

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from runtime.distributed import free_port
+from services.demo.processes import DemoStepFailed, Server
 from services.settings import ServiceSettings
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
 
 
@@ -53,30 +48,14 @@ def kiln_api(workdir: Path, **env: str) -> Iterator[KilnApi]:
     data = workdir / "var"
     full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KILN_DATA_DIR": str(data), **env}
     log = workdir / "kiln-api.log"
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "api", "--port", str(port)],
-            cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    server = Server(["api"], full_env, log)
     try:
-        _wait_ready(url, proc, log)
-        api = KilnApi(url, (data / "admin-token").read_text().strip(), data, proc, log)
-        yield api
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"kiln api did not start:\n{log.read_text(errors='replace')[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+            server.wait_ready(START_TIMEOUT_S)
+        except DemoStepFailed as e:
+            raise AssertionError(f"kiln api did not start:\n{log.read_text(errors='replace')[-3000:]}") from e
+        yield KilnApi(server.url, (data / "admin-token").read_text().strip(), data, server.proc, log)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(timeout=30)

@@ -25,13 +25,12 @@ import httpx
 import pytest
 
 from services.api.app import create_app
-from services.db import migrate, repo
+from services.db import migrate
 from services.db.models import Artifact
 from services.db.session import session_scope
 from services.redact import NO_LOCAL_CHECKPOINT, redact_text, redact_url
 from services.settings import ServiceSettings as Settings
-from services.worker.jobs import run_job
-from tests.services.conftest import REPO, create_token, free_port, make_settings
+from tests.services.conftest import REPO, create_token, failed_job_error, free_port, make_settings
 
 pytestmark = pytest.mark.services
 
@@ -310,19 +309,6 @@ def embedded_settings(tmp_path: Path) -> Settings:
     return settings
 
 
-def _run_local(settings: Settings, source: str) -> str:
-    with session_scope(settings) as s:
-        job_id = repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
-            idempotency_key=None, token_id=None, max_attempts=1,
-        ).job.id  # fmt: skip
-    assert run_job(job_id, settings=settings) == "failed"
-    with session_scope(settings) as s:
-        job = repo.get_job(s, job_id)
-        assert job is not None and job.error is not None
-        return job.error
-
-
 def test_local_source_errors_do_not_map_the_server_filesystem(
     embedded_settings: Settings, tmp_path: Path
 ) -> None:
@@ -340,7 +326,7 @@ def test_local_source_errors_do_not_map_the_server_filesystem(
         "/proc/self/cwd",
         "/proc/self/root/etc",
     ]
-    errors = {src: _run_local(embedded_settings, src) for src in sources}
+    errors = {src: failed_job_error(embedded_settings, src) for src in sources}
     assert {err.replace(repr(src), "<source>") for src, err in errors.items()} == {
         f"source <source>: {NO_LOCAL_CHECKPOINT}"
     }, errors
@@ -361,7 +347,7 @@ def test_symlinks_out_of_a_local_checkpoint_are_refused_without_naming_their_tar
     (ckpt / "tokenizer.json").unlink(missing_ok=True)
     (ckpt / "tokenizer.json").symlink_to(secret)
     via_proc = f"/proc/self/root{ckpt}"
-    error = _run_local(embedded_settings, via_proc)
+    error = failed_job_error(embedded_settings, via_proc)
     assert "outside the checkpoint directory" in error and via_proc in error, error
     assert (
         str(secret) not in error and "elsewhere" not in error and str(ckpt) not in error.replace(via_proc, "")

@@ -23,9 +23,8 @@ from services.db.models import Artifact
 from services.db.session import session_scope
 from services.settings import ServiceSettings as Settings
 from services.storage import open_store
-from services.worker.jobs import run_job
 from tests.fixtures.s3 import S3_TEST_CREDENTIALS, S3_TEST_REGION
-from tests.services.conftest import create_token, make_settings
+from tests.services.conftest import create_token, failed_job_error, make_settings
 
 pytestmark = pytest.mark.services
 
@@ -117,16 +116,8 @@ def test_the_worker_refuses_a_queued_job_whose_bucket_is_no_longer_allowed(
     settings: Settings, sources: dict[str, str]
 ) -> None:
     """A job queued before the operator shortened KILN_SOURCE_BUCKETS is not run."""
-    with session_scope(settings) as s:
-        job_id = repo.submit_job(
-            s, source=sources["unlisted"], targets=["cpu"], method="auto", tp=1, options={},
-            idempotency_key=None, token_id=None, max_attempts=1,
-        ).job.id  # fmt: skip
-    assert run_job(job_id, settings=settings) == "failed"
-    with session_scope(settings) as s:
-        job = repo.get_job(s, job_id)
-        assert job is not None and job.error is not None
-        assert f"bucket {UNLISTED!r}" in job.error and "KILN_SOURCE_BUCKETS" in job.error
+    error = failed_job_error(settings, sources["unlisted"])
+    assert f"bucket {UNLISTED!r}" in error and "KILN_SOURCE_BUCKETS" in error
 
 
 def _committed_artifact(settings: Settings) -> str:

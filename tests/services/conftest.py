@@ -33,6 +33,7 @@ from runtime.distributed import free_port
 from tests.fixtures.s3 import s3_test_env
 
 if TYPE_CHECKING:
+    from services.settings import ServiceSettings as Settings
     from tests.services.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -325,3 +326,22 @@ def make_stack(
     yield make
     for c in clients:
         c.close()
+
+
+def failed_job_error(settings: Settings, source: str) -> str:
+    """Submit a conversion of `source`, run it in this process and return the error the failed job
+    recorded (the job must fail)."""
+    from services.db import repo
+    from services.db.session import session_scope
+    from services.worker.jobs import run_job
+
+    with session_scope(settings) as s:
+        job_id = repo.submit_job(
+            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
+            idempotency_key=None, token_id=None, max_attempts=1,
+        ).job.id  # fmt: skip
+    assert run_job(job_id, settings=settings) == "failed"
+    with session_scope(settings) as s:
+        job = repo.get_job(s, job_id)
+        assert job is not None and job.error is not None
+        return job.error
