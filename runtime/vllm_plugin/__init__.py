@@ -8,7 +8,8 @@ process it starts; `register` is re-entrant. It registers
   parameters have the artifact's final layout;
 - the model loader `kiln` (`model_loader.KilnModelLoader`): checks the artifact against this vLLM,
   this machine and this TP rank before any weight is read, then binds the rank file's tensors to
-  those parameters (views of the mapping on CPU, one host-to-device copy on GPU).
+  those parameters (views of the mapping on CPU, one host-to-device copy on GPU);
+- the pull of an `s3://` artifact before vLLM reads its config (`remote.register`).
 
 Nothing else in Kiln imports vLLM; this package is imported only by vLLM.
 """
@@ -37,7 +38,9 @@ def register() -> None:
         from runtime.artifact.hf_config import KILN_QUANT_METHOD
         from runtime.vllm_plugin.model_loader import KilnModelLoader
         from runtime.vllm_plugin.quant_config import KilnQuantConfig
+        from runtime.vllm_plugin.remote import register as register_remote_artifacts
 
         register_quantization_config(KILN_QUANT_METHOD)(KilnQuantConfig)
         register_model_loader(KILN_QUANT_METHOD)(KilnModelLoader)
+        register_remote_artifacts()
         _registered = True

@@ -27,6 +27,11 @@ from runtime.model_layout import ModelConfig
 # Kiln's manifest does (fused qkv_proj / gate_up_proj, Hugging Face names for norms and embeddings,
 # expert groups at `…mlp.experts` / `…block_sparse_moe.experts`, the router as a linear `…gate`).
 EMBEDDING = "model.embed_tokens.weight"
+LM_HEAD = "lm_head"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class PluginError(KilnError):
@@ -74,15 +79,38 @@ class VllmArtifact:
             raise PluginError(f"tensor {name} is missing from rank {self.rank}'s files of {self.path}")
         return t.dtype
 
+    def check_model_dtype(self, dtype: torch.dtype) -> None:
+        """Every layer's kernel takes activations of vLLM's model dtype (`--dtype`), checked before
+        vLLM builds its model. Embeddings and an unquantized lm_head take any dtype (their outputs are
+        cast to the model's / head's dtype); norms are cast to it when bound."""
+        target = self.manifest.target
+        layers: list[tuple[str, str, frozenset[torch.dtype]]] = [
+            (name, layer.kernel.name, layer.kernel.act_dtypes(layer.spec, target))
+            for name, layer in self.linears.items()
+            if name != LM_HEAD
+        ]
+        layers += [
+            (name, group.kernel.name, group.kernel.act_dtypes(group.spec, target))
+            for name, group in self.expert_groups.items()
+        ]
+        for name, kernel, dtypes in layers:
+            if dtype not in dtypes:
+                names = sorted(dtype_name(d) for d in dtypes)
+                takes, want = " / ".join(names), dtype_name(dtype)
+                raise PluginError(
+                    f"layer {name}: kernel {kernel} of this {target.value} artifact takes {takes} "
+                    f"activations, not vLLM's model dtype {want}: run vLLM with --dtype {names[0]}"
+                )
+
     def address_ranges(self) -> list[tuple[int, int]]:
         return [f.address_range for f in self.files]
 
 
 def refuse_unservable(manifest: Manifest) -> None:
     """What the plugin cannot map, named with what to do instead."""
-    if "lm_head" in manifest.layers and manifest.layers["lm_head"].kernel != "dense":
+    if LM_HEAD in manifest.layers and manifest.layers[LM_HEAD].kernel != "dense":
         raise PluginError(
-            f"lm_head is stored for kernel {manifest.layers['lm_head'].kernel}; vLLM's lm_head takes only "
+            f"lm_head is stored for kernel {manifest.layers[LM_HEAD].kernel}; vLLM's lm_head takes only "
             "an unquantized weight: serve this artifact with `kiln serve`"
         )
 

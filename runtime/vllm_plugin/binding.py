@@ -174,8 +174,12 @@ def bind_model(model: nn.Module, artifact: VllmArtifact, config: KilnQuantConfig
             binder.linear(module, method.layer)
         elif isinstance(method, KilnMoEMethod):
             binder.experts(module, method.group)
-        elif isinstance(method, KilnEmbeddingMethod) or isinstance(module, VocabParallelEmbedding):
-            binder.embedding(module, prefix)  # some models build embed_tokens without a quant config
+        elif isinstance(module, VocabParallelEmbedding):
+            if not isinstance(method, KilnEmbeddingMethod):
+                # Built without the quantization config (Mixtral's embed_tokens): vLLM's method would
+                # hand back the stored dtype; Kiln's casts to the dtype vLLM created the layer in.
+                module.quant_method = KilnEmbeddingMethod(config, artifact, prefix, module.weight.dtype)
+            binder.embedding(module, prefix)
     binder.retie(model)
     done = {id(new) for _, new in binder.binding.replaced.values()}
     binder.remaining(model, done)

@@ -90,6 +90,7 @@ class KilnModelLoader(BaseModelLoader):
             world_size=get_tensor_model_parallel_world_size(),
             verify=self.verify,
         )
+        self.artifact.check_model_dtype(model_config.dtype)
         quant_config.artifact = self.artifact
         self.quant_config = quant_config
         model = self._build_and_bind(vllm_config, model_config, prefix)

@@ -16,7 +16,10 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
 
 from runtime.artifact.hf_config import KILN_QUANT_METHOD, is_kiln_quant_config
 from runtime.vllm_plugin.artifact import PluginError, VllmArtifact
@@ -127,13 +130,23 @@ class KilnLinearMethod(LinearMethodBase):
         return layer.kiln_forward(x)
 
 
-class KilnEmbeddingMethod(QuantizeMethodBase):
-    """Token embeddings and an unquantized lm_head: the artifact's tensor as stored."""
+class KilnEmbeddingMethod(UnquantizedEmbeddingMethod):
+    """Token embeddings and an unquantized lm_head: the artifact's tensor as stored, whatever its
+    dtype; what it hands back to vLLM is in vLLM's dtype. A lookup is cast to the model dtype, the
+    lm_head's logits to the dtype of the hidden states vLLM passes (its head dtype). An unquantized
+    method to vLLM, so that a `head_dtype` override casts this weight as it casts its own."""
 
-    def __init__(self, config: KilnQuantConfig, artifact: VllmArtifact, prefix: str) -> None:
+    def __init__(
+        self,
+        config: KilnQuantConfig,
+        artifact: VllmArtifact,
+        prefix: str,
+        model_dtype: torch.dtype | None = None,
+    ) -> None:
         self.config = config
         self.prefix = prefix
         self.dtype = artifact.embedding_dtype(prefix)
+        self.model_dtype = model_dtype or self.dtype  # vLLM's: given, or set by create_weights
 
     def create_weights(
         self,
@@ -146,21 +159,21 @@ class KilnEmbeddingMethod(QuantizeMethodBase):
         **extra_weight_attrs: Any,
     ) -> None:
         rows = sum(output_partition_sizes)
+        self.model_dtype = params_dtype
         _placeholder(layer, "weight", (rows, input_size_per_partition), self.dtype, self.prefix)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self.config.processed_layers += 1
+        self.config.processed_layers += 1  # vLLM's would repack the weight for its CPU GEMM
 
     def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_, layer.weight)
+        return F.embedding(input_, layer.weight).to(self.model_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
-        return F.linear(x.to(weight.dtype), weight, bias)
-
-    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
-        layer.weight = embed_tokens.weight
-        return layer
+        if x.dtype == weight.dtype:
+            return F.linear(x, weight, bias)
+        bias = None if bias is None else bias.to(weight.dtype)
+        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
 def expert_param_name(suffix: str) -> str:

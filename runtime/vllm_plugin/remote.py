@@ -5,9 +5,9 @@ vLLM 0.32 cannot hand an object-storage model to a plugin's loader. `ModelConfig
 (`maybe_pull_model_tokenizer_for_runai`, vllm/config/model.py) fetches the model's *.json through
 runai_model_streamer (not installed with vLLM's CPU build: a traceback about missing package
 metadata), and `VllmConfig.__post_init__` (vllm/config/vllm.py) then refuses any load format but
-runai_streamer, runai_streamer_sharded or modelexpress for it. So `register` (entry point `kiln-s3`
-of `vllm.general_plugins`, which vLLM calls from `EngineArgs.__post_init__` among other places)
-wraps `EngineArgs.create_model_config`: with `--load-format kiln` and an s3:// model, the artifact is
+runai_streamer, runai_streamer_sharded or modelexpress for it. So `register` (called by the
+plugin's `vllm.general_plugins` entry point, which vLLM calls from `EngineArgs.__post_init__` among
+other places) wraps `EngineArgs.create_model_config`: with `--load-format kiln` and an s3:// model, the artifact is
 pulled there and `--model` becomes the local copy before vLLM reads anything; nothing changes for
 any other model or load format. The process that builds the engine's config pulls every rank's
 files, so the workers it starts on this machine find them; S3 settings are Kiln's (`KILN_S3_*`,

@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.artifact.hf_config import KILN_QUANT_METHOD
 from runtime.artifact.manifest import Manifest
-from runtime.loader import LoadError, TargetMismatchError
-from runtime.vllm_plugin.artifact import PluginError, open_artifact
+from runtime.loader import LoadError, TargetMismatchError, checked_linear_layers, map_rank_files
+from runtime.model_layout import ModelConfig
+from runtime.vllm_plugin.artifact import PluginError, VllmArtifact, open_artifact
 from runtime.vllm_plugin.compat import ALLOW_UNTESTED_ENV, UnsupportedVllmError, check_vllm_version
 from services.convert.library import ConversionRequest, convert
 from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
@@ -80,3 +82,27 @@ def test_vllm_versions_outside_the_tested_range_are_refused_unless_allowed(
         check_vllm_version("0.31.1")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     check_vllm_version("0.33.0")
+
+
+def test_a_model_dtype_a_layer_cannot_take_is_refused_naming_layer_kernel_and_dtype(tmp_path: Path) -> None:
+    """A GPU artifact's layers take its act dtype only (scales stored in it): another vLLM --dtype is
+    refused before vLLM builds its model. Opened as the plugin opens it on a GPU host (this one has
+    none, so the target check is left out); a CPU artifact takes every dtype."""
+    gpu = _convert(tmp_path, "gptq", "sm80")  # a float16 checkpoint: float16 activations
+    manifest = Manifest.load(gpu)
+    cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
+    files = map_rank_files(gpu, manifest, 0)
+    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+    linears = {layer.name: layer for layer in checked_linear_layers(manifest, cfg, tensors, 0, 1)}
+    opened = VllmArtifact(gpu, manifest, cfg, "cuda", 0, 1, files, tensors, linears, {})
+    opened.check_model_dtype(torch.float16)
+    with pytest.raises(
+        PluginError,
+        match=r"layer model\.layers\.0\.self_attn\.qkv_proj: kernel marlin_wna16 of this sm80 artifact takes "
+        r"float16 activations, not vLLM's model dtype bfloat16: run vLLM with --dtype float16",
+    ):
+        opened.check_model_dtype(torch.bfloat16)
+
+    cpu = open_artifact(_convert(tmp_path, "gptq", "cpu"), device="cpu", rank=0, world_size=1, verify=False)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cpu.check_model_dtype(dtype)

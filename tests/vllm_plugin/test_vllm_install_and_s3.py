@@ -129,6 +129,7 @@ def test_an_s3_artifact_is_pulled_into_kilns_cache_and_vllms_args_point_at_it(
     tmp_path: Path, s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("runtime.settings._current", None)  # the process's settings, read anew
     url, artifact_id = _s3_artifact(tmp_path, s3_server, s3_bucket)
     args = _engine_args(url)
     use_pulled_artifact(args)

@@ -7,8 +7,6 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ def vllm_python() -> Path:
 
 def vllm_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, VLLM_LOGGING_LEVEL="INFO", **extra)
+    env.update({"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_LOGGING_LEVEL": "INFO", **extra})
     return env
 
 
@@ -65,7 +63,7 @@ def start_command(artifact: Path, port: int, *extra: str) -> list[str]:
     return [
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(artifact),
         "--load-format", "kiln", "--host", "127.0.0.1",
-        "--port", str(port), "--max-model-len", "512", "--dtype", "bfloat16", "--enforce-eager",
+        "--port", str(port), "--max-model-len", "512", "--enforce-eager",
         "--served-model-name", "kiln-artifact", *extra,
     ]  # fmt: skip
 
@@ -121,17 +119,7 @@ def launch(artifact: Path, workdir: Path, *extra: str) -> VllmLaunch:
     return VllmLaunch(proc, f"http://127.0.0.1:{port}", report, log, time.monotonic() + STARTUP_TIMEOUT_S)
 
 
-@contextmanager
-def vllm_serve(artifact: Path, workdir: Path, *extra: str) -> Iterator[VllmServer]:
-    """`vllm serve` on a loopback port until it answers /health; its load report and log kept."""
-    started = launch(artifact, workdir, *extra)
-    try:
-        yield started.ready()
-    finally:
-        started.stop()
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
     """Stop a server started with start_new_session=True: its whole process group (vLLM's engine and
     workers), SIGTERM first, SIGKILL after `timeout_s`."""
     import signal
@@ -145,17 +133,63 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
             proc.wait()
 
 
-def run_to_exit(
-    artifact: Path, workdir: Path, *extra: str, timeout_s: float = STARTUP_TIMEOUT_S
-) -> tuple[int, str]:
-    """`vllm serve` expected to refuse: its exit status and log."""
-    port = free_port()
-    proc = subprocess.run(
-        start_command(artifact, port, *extra),
-        capture_output=True,
-        text=True,
-        env=vllm_env(),
-        cwd=workdir,
-        timeout=timeout_s,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+OFFLINE_HOST = Path(__file__).with_name("offline_host.py")
+
+
+class OfflineHost:
+    """vLLM's offline engine in one long-lived process of the vLLM venv (tests/vllm_plugin/
+    offline_host.py): jobs in, one result each, in order. A job that kills the process (a C++ abort)
+    gets its log tail as its error, and a fresh process serves the next."""
+
+    def __init__(self, workdir: Path, **env: str) -> None:
+        self.workdir = workdir
+        self.env = env
+        self.log = workdir / "vllm-offline.log"
+        self.proc: subprocess.Popen[str] | None = None
+        self.starts = 0
+
+    def _start(self) -> subprocess.Popen[str]:
+        self.starts += 1
+        with self.log.open("a") as log:
+            proc = subprocess.Popen(
+                [str(vllm_python()), str(OFFLINE_HOST)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+                env=vllm_env(VLLM_LOGGING_LEVEL="WARNING", **self.env),
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+        assert proc.stdout is not None
+        if not proc.stdout.readline():
+            raise AssertionError(f"vLLM's offline host did not start:\n{self.log.read_text()[-6000:]}")
+        return proc
+
+    def run(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        results = []
+        for job in jobs:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                line = json.dumps({
+                    "id": job.get("id"), "ok": False,
+                    "error": f"vLLM died (exit {self.proc.returncode}): {self.log.read_text()[-3000:]}",
+                })  # fmt: skip
+            results.append(json.loads(line))
+        return results
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stop(self.proc)

@@ -1,0 +1,103 @@
+"""The checkpoints and artifacts of the plugin's dtype matrix: source dtype × method, each a real
+checkpoint of a tiny random Qwen3 / Qwen3-MoE / Mixtral (tests/fixtures/moe_checkpoints.py), and
+its CPU artifact.
+
+    dense       the source itself                                  (vLLM: unquantized)
+    fp8-online  the source, converted with --method fp8            (vLLM: --quantization fp8)
+    gptq        llm-compressor GPTQ W4A16 g128 (compressed-tensors) (vLLM: compressed-tensors WNA16)
+    awq         AWQ-GEMM (quant_method awq) packed by AutoAWQ's     (vLLM: awq)
+                packer; scales fp16 as AutoAWQ stores them, every
+                other tensor and config.json's dtype the source's
+    w8a8        llm-compressor W8A8 int8 (dynamic per-token acts)  (vLLM: compressed-tensors W8A8)
+    moe-gptq    llm-compressor GPTQ W4A16 of Qwen3-MoE              (vLLM: compressed-tensors MoE WNA16)
+    moe-fp8     llm-compressor FP8_DYNAMIC of Mixtral               (vLLM: compressed-tensors MoE FP8)
+
+A source saved in fp16 / fp32 holds the same seeded fp32 weights as the bf16 one, rounded to its
+dtype, and quantized checkpoints keep their scales in it (as llm-compressor saves a model it loaded
+in that dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.demo import checkpoints
+from tests.fixtures import moe_checkpoints as mc
+
+SOURCE_DTYPES = ("bfloat16", "float16", "float32")
+METHODS = ("dense", "fp8-online", "gptq", "awq", "w8a8", "moe-gptq", "moe-fp8")
+# vLLM --dtype values of the matrix ("auto" resolves to one of the others: vLLM's rule, checked).
+VLLM_DTYPES = ("auto", "bfloat16", "float32")
+AWQ_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Method:
+    spec: str  # moe_checkpoints.SPECS name of the model
+    scheme: str | None  # moe_checkpoints.SCHEMES name; None: the source as saved
+    convert_method: str = "auto"  # kiln convert --method
+    vllm_quantization: str | None = None  # what vLLM is asked for on the original checkpoint
+
+
+METHOD_SPECS: dict[str, Method] = {
+    "dense": Method("qwen3-dense", None),
+    "fp8-online": Method("qwen3-dense", None, convert_method="fp8", vllm_quantization="fp8"),
+    "gptq": Method("qwen3-dense", "gptq-w4a16"),
+    "awq": Method("qwen3-dense", "awq-gemm"),
+    "w8a8": Method("qwen3-dense", "w8a8-int8"),
+    "moe-gptq": Method("qwen3-moe-marlin", "gptq-w4a16"),
+    "moe-fp8": Method("mixtral", "fp8-dynamic"),
+}
+
+
+def _build_awq_gemm(source: Path, out: Path) -> None:
+    """Every linear of the source (not lm_head) AWQ-quantized and packed by AutoAWQ's packer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    packed: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            prefix = name.removesuffix(".weight")
+            for suffix, value in checkpoints.pack_awq_linear(tensor, AWQ_GROUP_SIZE).items():
+                packed[f"{prefix}.{suffix}"] = value
+        else:
+            packed[name] = tensor
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": AWQ_GROUP_SIZE,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in source.iterdir():
+        if path.name not in ("config.json", "model.safetensors", checkpoints.COMPLETE_MARKER):
+            shutil.copy2(path, out / path.name)
+
+
+def source_checkpoint(method: str, dtype: str) -> Path:
+    """The original checkpoint of a matrix cell (built once per cache)."""
+    m = METHOD_SPECS[method]
+    source = mc.build_source(m.spec, dtype=dtype)
+    if m.scheme is None:
+        return source
+    if m.scheme == "awq-gemm":
+        return checkpoints._cached_build(
+            f"{source.name}--awq-gemm-g{AWQ_GROUP_SIZE}-v1", None, lambda out: _build_awq_gemm(source, out)
+        )
+    return mc.build_quantized(source, m.scheme)
+
+
+def artifact(method: str, dtype: str) -> Path:
+    """The CPU artifact of a matrix cell (converted once per cache)."""
+    return checkpoints.build_artifact(
+        source_checkpoint(method, dtype), "cpu", method=METHOD_SPECS[method].convert_method
+    )
