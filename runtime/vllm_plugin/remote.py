@@ -7,11 +7,11 @@ runai_model_streamer (not installed with vLLM's CPU build: a traceback about mis
 metadata), and `VllmConfig.__post_init__` (vllm/config/vllm.py) then refuses any load format but
 runai_streamer, runai_streamer_sharded or modelexpress for it. So `register` (called by the
 plugin's `vllm.general_plugins` entry point, which vLLM calls from `EngineArgs.__post_init__` among
-other places) wraps `EngineArgs.create_model_config`: with `--load-format kiln` and an s3:// model, the artifact is
-pulled there and `--model` becomes the local copy before vLLM reads anything; nothing changes for
-any other model or load format. The process that builds the engine's config pulls every rank's
-files, so the workers it starts on this machine find them; S3 settings are Kiln's (`KILN_S3_*`,
-`KILN_CACHE_DIR`).
+other places) wraps `EngineArgs.create_model_config`: with `--load-format kiln` and an s3:// model,
+the artifact is pulled there and `--model` becomes the local copy before vLLM reads anything;
+nothing changes for any other model or load format. The process that builds the engine's config
+pulls every rank's files, so the workers it starts on this machine find them; S3 settings are
+Kiln's (`KILN_S3_*`, `KILN_CACHE_DIR`).
 """
 
 from __future__ import annotations
