@@ -266,6 +266,9 @@ class LinearKernel(ABC):
     # Activation dtype its fast CPU path takes (torch's int4 / int8 ops are vectorized for bf16 only);
     # the loader runs a CPU model in bf16 when every layer's kernel prefers it.
     cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
+    # The vLLM kernel that runs this layout's stored bytes as they are (vLLM's plugin calls it on a
+    # GPU instead of Kiln's); "" when vLLM has none.
+    vllm_kernel: ClassVar[str] = ""
     # True when the stored "weight" is the weight itself (dequantize is `tensors["weight"].float()`):
     # the converter then verifies the stored tensor directly.
     stores_plain_weight: ClassVar[bool] = False

@@ -53,6 +53,7 @@ EXPONENT_BIAS = {torch.float16: 8, torch.bfloat16: 120}  # 2^(e-1) - 2^3, e = ex
 
 class Fp8MarlinKernel(LinearKernel):
     name: ClassVar[str] = "fp8_marlin"
+    vllm_kernel: ClassVar[str] = "fp8_marlin"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
     targets: ClassVar[frozenset[Target]] = gpu_targets(80)

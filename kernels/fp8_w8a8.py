@@ -56,6 +56,7 @@ FP8 = torch.float8_e4m3fn
 
 class Fp8W8A8Kernel(LinearKernel):
     name: ClassVar[str] = "fp8_w8a8"
+    vllm_kernel: ClassVar[str] = "cutlass_scaled_mm"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"fp8"})
     targets: ClassVar[frozenset[Target]] = gpu_targets(89)  # FP8 tensor cores

@@ -59,6 +59,7 @@ from kernels.triton_utils import (
 
 class MarlinWNA16Kernel(LinearKernel):
     name: ClassVar[str] = "marlin_wna16"
+    vllm_kernel: ClassVar[str] = "gptq_marlin"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
     targets: ClassVar[frozenset[Target]] = gpu_targets(80)

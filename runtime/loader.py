@@ -442,17 +442,13 @@ def checked_expert_groups(
 
 def bind_expert_groups(
     model: LlamaForCausalLM,
-    manifest: Manifest,
-    cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    groups: dict[str, CheckedExpertGroup],
     used: set[str],
-    rank: int,
-    world_size: int,
     to_device: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
-    """Bind every MoE layer's expert group after `checked_expert_groups`."""
+    """Bind every MoE layer's expert group (checked by `checked_expert_groups`)."""
     modules = model.expert_groups()
-    for group in checked_expert_groups(manifest, cfg, tensors, rank, world_size):
+    for group in groups.values():
         used.update(f"{group.name}.{suffix}" for suffix in group.tensors)
         modules[group.name].bind(
             group.kernel, group.spec, {suffix: to_device(t) for suffix, t in group.tensors.items()}
@@ -489,8 +485,62 @@ def _set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
+@dataclass
+class OpenedArtifact:
+    """An artifact opened for one rank on one device, before any weight is read: its manifest read
+    once and every check made once (model config values, target, TP, dimensions, every layer and
+    expert group against its kernel's declared tensors), this rank's files mapped. `kiln serve`,
+    `kiln generate`, `load_model` and the vLLM plugin all start here."""
+
+    path: Path
+    manifest: Manifest
+    config: ModelConfig
+    device: str  # "cpu" or "cuda"
+    rank: int
+    world_size: int
+    files: list[MappedFile] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's, views of the mapping
+    linears: dict[str, CheckedLinear] = field(default_factory=dict)
+    expert_groups: dict[str, CheckedExpertGroup] = field(default_factory=dict)
+
+    def address_ranges(self) -> list[tuple[int, int]]:
+        return [f.address_range for f in self.files]
+
+
+def open_artifact(
+    artifact_dir: Path | str,
+    *,
+    device: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    verify: bool = False,
+    tp_flag: str | None = None,
+) -> OpenedArtifact:
+    """Check an artifact against this host and rank, then map its rank files (no reads). `verify`
+    hashes the rank's files against the manifest first; `tp_flag` names the host's TP option in a
+    TP-mismatch refusal. Every value of the manifest and its model config is checked before anything
+    is mapped (the manifest's size is capped before it is parsed: MAX_MANIFEST_BYTES)."""
+    path = Path(artifact_dir)
+    if verify:
+        from runtime.artifact.pull import verify_local
+
+        manifest = verify_local(path, rank)
+    else:
+        manifest = Manifest.load(path)
+    cfg = checked_model_config(manifest)
+    device = device or default_device(manifest)
+    check_target(manifest.target, device)
+    check_tp(manifest, rank, world_size, flag=tp_flag)
+    files = map_rank_files(path, manifest, rank)
+    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+    check_dimensions(cfg, tensors, rank)
+    linears = {layer.name: layer for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size)}
+    groups = {group.name: group for group in checked_expert_groups(manifest, cfg, tensors, rank, world_size)}
+    return OpenedArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears, groups)
+
+
 def load_model(
-    artifact_dir: Path,
+    artifact: Path | str | OpenedArtifact,
     *,
     device: str | None = None,
     rank: int = 0,
@@ -498,22 +548,19 @@ def load_model(
     kv_cache_dtype: KvCacheDtype = "auto",
     with_tokenizer: bool = True,
 ) -> LoadedModel:
+    """Build the runtime's model on an artifact (a path is opened with `open_artifact`; `device`,
+    `rank` and `world_size` apply then) and bind every tensor to it."""
     import time
 
     started = time.perf_counter()
-    artifact_dir = Path(artifact_dir)
-    # Every value of the manifest and its model config, checked before anything is mapped or built
-    # (the manifest's size is capped before it is parsed: MAX_MANIFEST_BYTES).
-    manifest = Manifest.load(artifact_dir)
-    cfg = checked_model_config(manifest)
-    device = device or default_device(manifest)
-    check_target(manifest.target, device)
-    check_tp(manifest, rank, world_size)
+    opened = (
+        artifact
+        if isinstance(artifact, OpenedArtifact)
+        else open_artifact(artifact, device=device, rank=rank, world_size=world_size)
+    )
+    manifest, cfg, tensors, device = opened.manifest, opened.config, opened.tensors, opened.device
+    rank, world_size, artifact_dir = opened.rank, opened.world_size, opened.path
     dtype = compute_dtype(manifest, device)
-
-    files = map_rank_files(artifact_dir, manifest, rank)
-    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
-    check_dimensions(cfg, tensors, rank)
     has_lm_head_layer = "lm_head" in manifest.layers
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)
@@ -524,7 +571,7 @@ def load_model(
     used: set[str] = set()
     # Linear layers: check each against the model config and its kernel's declared tensors, then bind.
     linears = model.linear_layers()
-    for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size):
+    for layer in opened.linears.values():
         module = linears.get(layer.name)
         if module is None:
             raise LoadError(
@@ -540,7 +587,7 @@ def load_model(
         raise LoadError(
             f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
         )
-    bind_expert_groups(model, manifest, cfg, tensors, used, rank, world_size, to_device)
+    bind_expert_groups(model, opened.expert_groups, used, to_device)
 
     # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the residual dtype.
     norm_dtype = residual_dtype(dtype, device)
@@ -585,6 +632,6 @@ def load_model(
         kv_cache_dtype=kv_cache_dtype,
         dtype=dtype,
         eos_token_ids=eos_token_ids(listed, manifest.hf_config, tokenizer),
-        files=files,
+        files=opened.files,
         load_seconds=time.perf_counter() - started,
     )

@@ -1,27 +1,18 @@
-"""A Kiln artifact opened for one vLLM rank: every refusal a user can act on happens here, before
-any weight is read (mapping a file reads nothing)."""
+"""A Kiln artifact opened for one vLLM rank (`runtime.loader.open_artifact`, as `kiln serve` opens
+one, plus what only vLLM refuses): every refusal a user can act on happens here, before any weight is
+read (mapping a file reads nothing)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from kernels.errors import KilnError
 from runtime.artifact.manifest import Manifest
-from runtime.artifact.pull import verify_local
-from runtime.loader import (
-    CheckedExpertGroup,
-    CheckedLinear,
-    MappedFile,
-    check_target,
-    check_tp,
-    checked_expert_groups,
-    checked_linear_layers,
-    map_rank_files,
-)
-from runtime.model_layout import ModelConfig
+from runtime.loader import CheckedExpertGroup, CheckedLinear, OpenedArtifact
+from runtime.loader import open_artifact as open_for_rank
 
 # Every architecture of runtime/model_layout.py: vLLM's models name their modules and parameters as
 # Kiln's manifest does (fused qkv_proj / gate_up_proj, Hugging Face names for norms and embeddings,
@@ -38,18 +29,8 @@ class PluginError(KilnError):
     """A Kiln artifact cannot be served by this vLLM as asked; the message says what to do."""
 
 
-@dataclass
-class VllmArtifact:
-    path: Path
-    manifest: Manifest
-    config: ModelConfig
-    device: str  # "cpu" or "cuda"
-    rank: int
-    world_size: int
-    files: list[MappedFile] = field(default_factory=list)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's, views of the mapping
-    linears: dict[str, CheckedLinear] = field(default_factory=dict)
-    expert_groups: dict[str, CheckedExpertGroup] = field(default_factory=dict)
+class VllmArtifact(OpenedArtifact):
+    """An opened artifact with the lookups vLLM's model builder makes, refused in vLLM's terms."""
 
     def linear(self, prefix: str) -> CheckedLinear:
         layer = self.linears.get(prefix)
@@ -102,9 +83,6 @@ class VllmArtifact:
                     f"activations, not vLLM's model dtype {want}: run vLLM with --dtype {names[0]}"
                 )
 
-    def address_ranges(self) -> list[tuple[int, int]]:
-        return [f.address_range for f in self.files]
-
 
 def refuse_unservable(manifest: Manifest) -> None:
     """What the plugin cannot map, named with what to do instead."""
@@ -117,14 +95,8 @@ def refuse_unservable(manifest: Manifest) -> None:
 
 def open_artifact(path: str | Path, *, device: str, rank: int, world_size: int, verify: bool) -> VllmArtifact:
     """Check the artifact against this host and rank, then map its rank files (no reads)."""
-    path = Path(path)
-    manifest = verify_local(path, rank) if verify else Manifest.load(path)
-    check_target(manifest.target, device)
-    check_tp(manifest, rank, world_size, flag="--tensor-parallel-size")
-    refuse_unservable(manifest)
-    cfg = ModelConfig.from_hf(manifest.hf_config, manifest.architecture)
-    files = map_rank_files(path, manifest, rank)
-    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
-    linears = {layer.name: layer for layer in checked_linear_layers(manifest, cfg, tensors, rank, world_size)}
-    groups = {group.name: group for group in checked_expert_groups(manifest, cfg, tensors, rank, world_size)}
-    return VllmArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears, groups)
+    opened = open_for_rank(
+        path, device=device, rank=rank, world_size=world_size, verify=verify, tp_flag="--tensor-parallel-size"
+    )
+    refuse_unservable(opened.manifest)
+    return VllmArtifact(**{f.name: getattr(opened, f.name) for f in dataclasses.fields(opened)})

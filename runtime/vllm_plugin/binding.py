@@ -77,7 +77,7 @@ class _Binder:
         if self.artifact.device != "cpu":
             from runtime.vllm_plugin.vllm_kernels import vllm_apply
 
-            run = vllm_apply(kernel.name, run_on, spec)
+            run = vllm_apply(kernel, run_on, spec)
         self.binding.runs_on[f"vllm:{kernel.name}" if run is not None else f"kiln:{kernel.name}"] += 1
         if run is None:
             run = kernel.bind_apply(run_on, spec)

@@ -1,13 +1,14 @@
-"""On GPU, Kiln's bytes run on vLLM's own kernels where vLLM 0.32 has one for the stored layout; the
-other layers run Kiln's Triton kernel (its `bind_apply`). Nothing here is imported on CPU.
+"""On GPU, Kiln's bytes run on vLLM's own kernels where vLLM 0.32 has one for the stored layout (a
+kernel names it: `LinearKernel.vllm_kernel`); the other layers run Kiln's Triton kernel (its
+`bind_apply`). Nothing here is imported on CPU.
 
-    marlin_wna16  -> vLLM's Marlin GEMM (`apply_gptq_marlin_linear`): uint4b8 / uint8b128 / uint4+zp.
-                     Act-order layers (perm, g_idx) stay on Kiln's kernel: vLLM 0.32 dropped GPTQ
-                     desc_act. Kiln keeps the bias in natural column order (vLLM permutes its own
-                     for Marlin), so it is added after the GEMM.
-    fp8_marlin    -> vLLM's FP8-Marlin GEMM (`apply_fp8_marlin_linear`), bias added after.
-    fp8_w8a8      -> vLLM's per-token dynamic FP8 quantization + `cutlass_scaled_mm` on weight.t()
-                     (per-tensor or per-channel weight scales).
+    gptq_marlin (Kiln's marlin_wna16): vLLM's Marlin GEMM (`apply_gptq_marlin_linear`), uint4b8 /
+        uint8b128 / uint4+zp. Act-order layers (perm, g_idx) stay on Kiln's kernel: vLLM 0.32 dropped
+        GPTQ desc_act. Kiln keeps the bias in natural column order (vLLM permutes its own for
+        Marlin), so it is added after the GEMM.
+    fp8_marlin (Kiln's fp8_marlin): vLLM's FP8-Marlin GEMM (`apply_fp8_marlin_linear`), bias after.
+    cutlass_scaled_mm (Kiln's fp8_w8a8): vLLM's per-token dynamic FP8 quantization +
+        `cutlass_scaled_mm` on weight.t() (per-tensor or per-channel weight scales).
 
 Never run on a GPU in this repository's CI (it has none): bench/gpu_check.sh exercises it.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import LinearSpec
+from kernels.base import LinearKernel, LinearSpec
 
 Apply = Callable[[torch.Tensor], torch.Tensor]
 
@@ -98,14 +99,15 @@ def _fp8_w8a8(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | Non
     return run
 
 
+# vLLM kernel (`LinearKernel.vllm_kernel`) -> its call on a layer's stored tensors
 VLLM_KERNELS: dict[str, Callable[[dict[str, torch.Tensor], LinearSpec], Apply | None]] = {
-    "marlin_wna16": _marlin_wna16,
+    "gptq_marlin": _marlin_wna16,
     "fp8_marlin": _fp8_marlin,
-    "fp8_w8a8": _fp8_w8a8,
+    "cutlass_scaled_mm": _fp8_w8a8,
 }
 
 
-def vllm_apply(kernel: str, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | None:
+def vllm_apply(kernel: LinearKernel, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | None:
     """vLLM's kernel for this layer's stored bytes, or None (run Kiln's)."""
-    make = VLLM_KERNELS.get(kernel)
+    make = VLLM_KERNELS.get(kernel.vllm_kernel)
     return make(tensors, spec) if make is not None else None

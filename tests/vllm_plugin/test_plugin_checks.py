@@ -106,3 +106,13 @@ def test_a_model_dtype_a_layer_cannot_take_is_refused_naming_layer_kernel_and_dt
     cpu = open_artifact(_convert(tmp_path, "gptq", "cpu"), device="cpu", rank=0, world_size=1, verify=False)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         cpu.check_model_dtype(dtype)
+
+
+def test_every_vllm_kernel_a_kiln_kernel_names_has_a_call_in_the_plugin() -> None:
+    """The plugin's GPU map is keyed by what the kernels declare (`LinearKernel.vllm_kernel`)."""
+    from kernels.registry import candidates
+    from kernels.targets import GPU_TARGETS
+    from runtime.vllm_plugin.vllm_kernels import VLLM_KERNELS
+
+    named = {k.vllm_kernel for t in GPU_TARGETS for k in candidates(t) if k.vllm_kernel}
+    assert named == set(VLLM_KERNELS)
