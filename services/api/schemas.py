@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, field_validator
 
 from kernels.targets import Target
+from services.convert.request_values import Fp8Scheme, Method
 
 # A target by name ("sm80"): the enum's values are the schema's, so the list has one home.
 TargetName = Annotated[Target, Strict(False)]
@@ -81,7 +82,7 @@ JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 
 
 class ConversionOptions(StrictRequest):
-    fp8_scheme: Literal["tensor", "channel", "block"] = "tensor"
+    fp8_scheme: Fp8Scheme = "tensor"
     disabled_kernels: list[KernelName] = Field(default_factory=list, max_length=32)
     expert_parallel: bool = Field(
         default=False,
@@ -100,7 +101,7 @@ class ConversionCreate(StrictRequest):
         examples=["s3://checkpoints/SmolLM2-135M-Instruct"],
     )
     targets: list[TargetName] = Field(min_length=1, max_length=6, examples=[["cpu", "sm80"]])
-    method: Literal["auto", "fp8"] = "auto"
+    method: Method = "auto"
     tp: JsonInt = Field(default=1, ge=1, le=64)
     options: ConversionOptions = Field(default_factory=ConversionOptions)
 

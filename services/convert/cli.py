@@ -25,6 +25,7 @@ from rich.table import Table
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
+from services.convert.request_values import FP8_SCHEMES, METHODS
 
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -39,8 +40,9 @@ EpOpt = Annotated[
         "--ep", min=1, help="expert-parallel size: N ranks, each holding 1/N of the experts (MoE models)"
     ),
 ]
-MethodOpt = Annotated[str, typer.Option("--method", help="auto (keep the checkpoint's quantization) | fp8")]
-SchemeOpt = Annotated[str, typer.Option("--fp8-scheme", help="online FP8 scales: tensor | channel | block")]
+METHOD_HELP = f"auto (keep the checkpoint's quantization) | {' | '.join(METHODS[1:])}"
+MethodOpt = Annotated[str, typer.Option("--method", help=METHOD_HELP)]
+SchemeOpt = Annotated[str, typer.Option("--fp8-scheme", help=f"online FP8 scales: {' | '.join(FP8_SCHEMES)}")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
 
 

@@ -20,6 +20,8 @@ from services.convert.errors import Cancelled, ConversionError, VerificationErro
 from services.convert.formats.base import CheckpointFormat
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
+from services.convert.request_values import Fp8Scheme, Method
+from services.convert.request_values import disabled_kernels as effective_disabled_kernels
 from services.settings import ServiceSettings, get_settings
 from services.storage import open_source, open_store
 from services.storage.local import STAGING_DIR, LocalStore
@@ -49,9 +51,9 @@ class ConversionRequest:
 
     source: str
     targets: list[Target]
-    method: str = "auto"
+    method: Method = "auto"
     tp: int = 1  # ranks (with expert_parallel: the experts are placed whole over them)
-    fp8_scheme: str = "tensor"
+    fp8_scheme: Fp8Scheme = "tensor"
     out: str = ""  # empty: ServiceSettings.resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
     expert_parallel: bool = False
@@ -85,9 +87,9 @@ def plan(
     target: Target | str,
     *,
     tp: int = 1,
-    method: str = "auto",
-    fp8_scheme: str = "tensor",
-    disabled_kernels: tuple[str, ...] | None = None,
+    method: Method = "auto",
+    fp8_scheme: Fp8Scheme = "tensor",
+    disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     settings: ServiceSettings | None = None,
 ) -> Plan:
@@ -110,17 +112,18 @@ def plan_targets(
     targets: list[Target],
     *,
     tp: int = 1,
-    method: str = "auto",
-    fp8_scheme: str = "tensor",
-    disabled_kernels: tuple[str, ...] | None = None,
+    method: Method = "auto",
+    fp8_scheme: Fp8Scheme = "tensor",
+    disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     settings: ServiceSettings | None = None,
 ) -> list[Plan]:
     """One plan per target from one read of the checkpoint's config and headers (`kiln plan`,
-    `POST /v1/plans`); `disabled_kernels` None: the settings' KILN_DISABLED_KERNELS."""
+    `POST /v1/plans`); the kernels left out are the request's and KILN_DISABLED_KERNELS, as the
+    conversion leaves them out."""
     settings = settings or get_settings()
     ckpt, fmt = open_and_detect(source, settings)
-    disabled = tuple(settings.disabled_kernels) if disabled_kernels is None else disabled_kernels
+    disabled = effective_disabled_kernels(disabled_kernels, settings.disabled_kernels)
     return [
         build_plan(
             ckpt,
@@ -147,7 +150,7 @@ def convert(
     """Convert `req.source` for every target; one artifact per target (reused when already committed)."""
     settings = settings or get_settings()
     ckpt, fmt = open_and_detect(req.source, settings)
-    disabled = tuple(req.disabled_kernels) or tuple(settings.disabled_kernels)
+    disabled = effective_disabled_kernels(req.disabled_kernels, settings.disabled_kernels)
     plans = [
         build_plan(
             ckpt,

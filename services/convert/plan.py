@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from kernels.base import LinearKernel, LinearSpec, ShardSpec, StoredTensor, Target
 from kernels.errors import NoKernelError, UnsupportedError
@@ -21,11 +21,8 @@ from services.convert.errors import ConversionError
 from services.convert.experts import PlannedExperts, plan_experts
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.limits import check_pattern_work
+from services.convert.request_values import FP8_SCHEMES, METHODS
 
-Method = Literal["auto", "fp8"]
-Fp8Scheme = Literal["tensor", "channel", "block"]
-METHODS = ("auto", "fp8")
-FP8_SCHEMES = ("tensor", "channel", "block")
 ONLINE_FP8_BLOCK = (128, 128)
 _IDEAL_DIM = 4096  # a shape every kernel takes, to tell a shape fallback from a scheme mismatch
 _FLOAT_ACT = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}

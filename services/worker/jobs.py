@@ -193,8 +193,7 @@ def build_request(spec: JobSpec, settings: ServiceSettings) -> object:
         tp=spec.tp,
         fp8_scheme=str(opts.get("fp8_scheme", "tensor")),  # type: ignore[arg-type]
         out=settings.resolved_store_url,
-        disabled_kernels=tuple(opts.get("disabled_kernels", ()) or ())  # type: ignore[arg-type]
-        + tuple(settings.disabled_kernels),
+        disabled_kernels=tuple(opts.get("disabled_kernels", ()) or ()),  # type: ignore[arg-type]
         expert_parallel=bool(opts.get("expert_parallel", False)),
     )
 

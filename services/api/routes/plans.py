@@ -49,7 +49,7 @@ def create_plan(body: schemas.ConversionCreate, settings: SettingsDep, token: To
             tp=body.tp,
             method=body.method,
             fp8_scheme=options.fp8_scheme,
-            disabled_kernels=tuple(options.disabled_kernels) or None,
+            disabled_kernels=tuple(options.disabled_kernels),
             expert_parallel=options.expert_parallel,
             settings=settings,
         )
