@@ -7,7 +7,8 @@ GET /version, and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info (
 lm-evaluation-harness tokenize through the server). A client that disconnects (streaming or not) has
 its requests aborted, which frees their slots.
 
-    app.py          build_app: the FastAPI app, lifespan, error handlers, the small routes
+    app.py          build_app: the FastAPI app, lifespan, error handlers, middleware
+    routes/         the routers: operations (health, version, metrics, models), tokenizer, generation
     protocol.py     request and response bodies (pydantic)
     errors.py       OpenAI's error body and the mapping of exceptions to it
     serving.py      OpenAIServing: validation, tokenization, engine plumbing shared by the endpoints

@@ -1,4 +1,5 @@
-"""The FastAPI app: lifespan, error handlers, body limit, and the routes (the small ones inline).
+"""The FastAPI app: lifespan, error handlers, body limit, API key, and the routers of
+`runtime/openai/routes`.
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
 parameters and context overflow, 404 for an unknown model or route, 413 for a body over
@@ -13,32 +14,18 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.body_limit import BodySizeLimit
 from runtime.engine import AsyncEngine
-from runtime.metrics import CONTENT_TYPE
 from runtime.openai.auth import ApiKeyCheck
-from runtime.openai.chat import create_chat_completion
-from runtime.openai.completions import create_completion
 from runtime.openai.errors import OpenAIError, engine_error
-from runtime.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfoResponse,
-    VersionResponse,
-)
+from runtime.openai.routes import generation, operations
+from runtime.openai.routes import tokenizer as tokenizer_routes
 from runtime.openai.serving import OpenAIServing
 from runtime.request_limits import InvalidRequestError
 from runtime.settings import get_settings
-from runtime.version import kiln_version
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,70 +78,8 @@ def build_app(
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     _add_error_handlers(app)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if (reason := async_engine.dead) is not None:
-            return OpenAIError(503, reason, type_="server_error", code="engine_dead").response()
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> VersionResponse:
-        return VersionResponse(version=kiln_version())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
-            id=serving.model_name,
-            created=serving.created,
-            root=serving.root or serving.model_name,
-            max_model_len=serving.max_model_len,
-        )
-        return ModelList(data=[card])
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(req.model)
-        if req.messages is not None and req.prompt is None:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            ids = await serving.chat_prompt(messages, req.add_generation_prompt)
-        elif req.prompt is not None and req.messages is None:
-            ids = await serving.encode(req.prompt, req.add_special_tokens)
-        else:
-            raise OpenAIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
-        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(req.model)
-        vocab = len(tokenizer)
-        if req.tokens and not 0 <= min(req.tokens) <= max(req.tokens) < vocab:
-            raise OpenAIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=await serving.decode(req.tokens))
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> TokenizerInfoResponse:
-        return TokenizerInfoResponse(
-            tokenizer_class=type(tokenizer).__name__,
-            eos_token=tokenizer.eos_token,
-            bos_token=tokenizer.bos_token,
-            pad_token=tokenizer.pad_token,
-            unk_token=tokenizer.unk_token,
-            chat_template=getattr(tokenizer, "chat_template", None),
-            model_max_length=serving.max_model_len,
-        )
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await create_completion(serving, req, request)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(serving, req, request)
-
+    for routes in (operations, tokenizer_routes, generation):
+        app.include_router(routes.router)
     return app
 
 
