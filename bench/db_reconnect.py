@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from runtime.distributed import free_port  # noqa: E402
 from services.api.app import create_app  # noqa: E402
+from services.convert.spec import ConversionSpec  # noqa: E402
 from services.db import migrate, repo  # noqa: E402
 from services.db.session import dispose_engines, get_engine, session_scope  # noqa: E402
 from services.settings import ServiceSettings  # noqa: E402
@@ -79,7 +80,7 @@ def measure(way: str, polls: int, rounds: int, workdir: Path) -> dict[str, float
         with session_scope(settings) as s:
             token, _ = repo.create_token(s, "bench", is_admin=True)  # sees the ownerless job
             job = repo.submit_job(
-                s, source="/bench/none", targets=["cpu"], method="auto", tp=1, options={},
+                s, ConversionSpec(source="/bench/none", targets=["cpu"]),
                 idempotency_key=None, token_id=None, max_attempts=1,
             ).job  # fmt: skip
             repo.finish_job(s, job.id, "failed", "bench row")

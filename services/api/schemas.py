@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kernels.targets import Target
-from services.convert.request_values import Fp8Scheme, Method
+from services.convert import spec
+from services.convert.spec import TargetName
 
-# A target by name ("sm80"): the enum's values are the schema's, so the list has one home.
-TargetName = Annotated[Target, Strict(False)]
-
-KernelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,64}$")]
+__all__ = ["TargetName"]  # a target by name ("sm80"), as the conversion spec takes it
 # s3://bucket[/prefix] or an absolute path; no whitespace or control characters anywhere.
 _SOURCE_FORM_RE = re.compile(
     r"^(?:s3://[A-Za-z0-9][A-Za-z0-9._-]*(?:/[^\x00-\x20\x7f]*)?|/[^\x00-\x20\x7f]*)$"
@@ -71,38 +69,23 @@ def _check_segments(source: str) -> None:
         )
 
 
-def _json_integer(value: object) -> object:
-    """JSON Schema's `integer` includes 7.0; booleans and strings stay refused (strict mode)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+class ConversionOptions(spec.ConversionOptions, StrictRequest):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+class ConversionCreate(spec.ConversionSpec, StrictRequest):
+    """The conversion spec (services/convert/spec.py) as a request body: strict types, and `source` in
+    the form the API accepts (no relative paths, no '.', '..' or empty segments)."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-class ConversionOptions(StrictRequest):
-    fp8_scheme: Fp8Scheme = "tensor"
-    disabled_kernels: list[KernelName] = Field(default_factory=list, max_length=32)
-    expert_parallel: bool = Field(
-        default=False,
-        description="Mixture-of-experts models: place whole experts on each of the `tp` ranks "
-        "(expert parallel, `kiln convert --ep`) instead of splitting every expert",
-    )
-
-
-class ConversionCreate(StrictRequest):
     source: str = Field(
         min_length=1,
-        max_length=2048,
+        max_length=spec.MAX_SOURCE_CHARS,
         json_schema_extra={"pattern": SOURCE_PATTERN},  # checked below, with an actionable message
-        description="Checkpoint location: s3://bucket/prefix, or an absolute directory on the server "
-        "(allowed outside production unless KILN_ALLOW_LOCAL_SOURCES=false)",
-        examples=["s3://checkpoints/SmolLM2-135M-Instruct"],
+        description=spec.ConversionSpec.model_fields["source"].description,
+        examples=spec.ConversionSpec.model_fields["source"].examples,
     )
-    targets: list[TargetName] = Field(min_length=1, max_length=6, examples=[["cpu", "sm80"]])
-    method: Method = "auto"
-    tp: JsonInt = Field(default=1, ge=1, le=64)
     options: ConversionOptions = Field(default_factory=ConversionOptions)
 
     @field_validator("source")

@@ -25,7 +25,7 @@ from rich.table import Table
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
-from services.convert.request_values import FP8_SCHEMES, METHODS
+from services.convert.spec import FP8_SCHEMES, METHODS, ConversionSpec, conversion_spec
 
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -92,6 +92,16 @@ def _kernel(name: str) -> object:
         return None
 
 
+def _spec(source: str, target: str, method: str, fp8_scheme: str, tp: int, ep: int | None) -> ConversionSpec:
+    """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
+    from services.convert.library import parse_targets
+
+    ranks, expert_parallel = _ranks(tp, ep)
+    options = {"fp8_scheme": fp8_scheme, "expert_parallel": expert_parallel}
+    targets = parse_targets(target)
+    return conversion_spec(source=source, targets=targets, method=method, tp=ranks, options=options)
+
+
 def plan_cmd(
     source: Annotated[str, typer.Argument(help="checkpoint directory or s3://bucket/prefix")],
     target: TargetOpt = "sm80",
@@ -102,14 +112,10 @@ def plan_cmd(
     ep: EpOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
-    from services.convert.library import parse_targets, plan_targets
+    from services.convert.library import plan_targets
 
     try:
-        targets = parse_targets(target)
-        ranks, expert_parallel = _ranks(tp, ep)
-        plans = plan_targets(
-            source, targets, tp=ranks, method=method, fp8_scheme=fp8_scheme, expert_parallel=expert_parallel
-        )
+        plans = plan_targets(_spec(source, target, method, fp8_scheme, tp, ep))
     except KilnError as e:
         _fail(e)
         return
@@ -142,17 +148,14 @@ def convert_cmd(
     ep: EpOpt = None,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
-    from services.convert.library import ConversionRequest, convert, parse_targets
+    from services.convert.library import ConversionRequest, convert
     from services.convert.library import Progress as Step
     from services.settings import get_settings
 
     settings = get_settings()
-    ranks, expert_parallel = _ranks(tp, ep)
     try:
-        req = ConversionRequest(
-            source=source, targets=parse_targets(target), method=method, tp=ranks, fp8_scheme=fp8_scheme,
-            out=out_url or settings.resolved_store_url, expert_parallel=expert_parallel,
-        )  # fmt: skip
+        spec = _spec(source, target, method, fp8_scheme, tp, ep)
+        req = ConversionRequest.from_spec(spec, out=out_url or settings.resolved_store_url)
     except KilnError as e:
         _fail(e)
         return

@@ -20,8 +20,8 @@ from services.convert.errors import Cancelled, ConversionError, VerificationErro
 from services.convert.formats.base import CheckpointFormat
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
-from services.convert.request_values import Fp8Scheme, Method
-from services.convert.request_values import disabled_kernels as effective_disabled_kernels
+from services.convert.spec import ConversionSpec, Fp8Scheme, Method, conversion_spec
+from services.convert.spec import disabled_kernels as effective_disabled_kernels
 from services.settings import ServiceSettings, get_settings
 from services.storage import open_source, open_store
 from services.storage.local import STAGING_DIR, LocalStore
@@ -61,6 +61,25 @@ class ConversionRequest:
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
 
+    def spec(self) -> ConversionSpec:
+        options = {
+            "fp8_scheme": self.fp8_scheme,
+            "disabled_kernels": list(self.disabled_kernels),
+            "expert_parallel": self.expert_parallel,
+        }
+        return conversion_spec(
+            source=self.source, targets=self.targets, method=self.method, tp=self.tp, options=options
+        )
+
+    @classmethod
+    def from_spec(cls, spec: ConversionSpec, *, out: str = "") -> ConversionRequest:
+        """The library call of a conversion spec (`out`: the artifact store; empty: the settings')."""
+        o = spec.options
+        return cls(
+            spec.source, list(spec.targets), spec.method, spec.tp, o.fp8_scheme, out,
+            tuple(o.disabled_kernels), o.expert_parallel,
+        )  # fmt: skip
+
 
 def parse_targets(targets: Iterable[str | Target] | str) -> list[Target]:
     """["sm80,sm90", "cpu"] -> [SM80, SM90, CPU] (deduplicated, order kept); unknown names refused."""
@@ -93,50 +112,41 @@ def plan(
     expert_parallel: bool = False,
     settings: ServiceSettings | None = None,
 ) -> Plan:
-    target = target if isinstance(target, Target) else Target.parse(target)
-    (result,) = plan_targets(
-        source,
-        [target],
-        tp=tp,
+    """The plan of one target (a convenience over `plan_targets`)."""
+    options = {"fp8_scheme": fp8_scheme, "disabled_kernels": list(disabled_kernels)}
+    spec = conversion_spec(
+        source=source,
+        targets=parse_targets([target]),
         method=method,
-        fp8_scheme=fp8_scheme,
-        disabled_kernels=disabled_kernels,
-        expert_parallel=expert_parallel,
-        settings=settings,
+        tp=tp,
+        options={**options, "expert_parallel": expert_parallel},
     )
+    (result,) = plan_targets(spec, settings=settings)
     return result
 
 
-def plan_targets(
-    source: str,
-    targets: list[Target],
-    *,
-    tp: int = 1,
-    method: Method = "auto",
-    fp8_scheme: Fp8Scheme = "tensor",
-    disabled_kernels: tuple[str, ...] = (),
-    expert_parallel: bool = False,
-    settings: ServiceSettings | None = None,
-) -> list[Plan]:
+def plan_targets(spec: ConversionSpec, *, settings: ServiceSettings | None = None) -> list[Plan]:
     """One plan per target from one read of the checkpoint's config and headers (`kiln plan`,
-    `POST /v1/plans`); the kernels left out are the request's and KILN_DISABLED_KERNELS, as the
-    conversion leaves them out."""
+    `POST /v1/plans`), leaving out the kernels the conversion leaves out."""
     settings = settings or get_settings()
-    ckpt, fmt = open_and_detect(source, settings)
-    disabled = effective_disabled_kernels(disabled_kernels, settings.disabled_kernels)
-    return [
-        build_plan(
-            ckpt,
-            fmt,
-            t,
-            tp=tp,
-            method=method,
-            fp8_scheme=fp8_scheme,
-            disabled_kernels=disabled,
-            expert_parallel=expert_parallel,
-        )
-        for t in targets
-    ]
+    ckpt, fmt = open_and_detect(spec.source, settings)
+    return [_build_plan(ckpt, fmt, t, spec, settings) for t in spec.targets]
+
+
+def _build_plan(
+    ckpt: Checkpoint, fmt: CheckpointFormat, target: Target, spec: ConversionSpec, settings: ServiceSettings
+) -> Plan:
+    o = spec.options
+    return build_plan(
+        ckpt,
+        fmt,
+        target,
+        tp=spec.tp,
+        method=spec.method,
+        fp8_scheme=o.fp8_scheme,
+        disabled_kernels=effective_disabled_kernels(o.disabled_kernels, settings.disabled_kernels),
+        expert_parallel=o.expert_parallel,
+    )
 
 
 def convert(
@@ -150,20 +160,7 @@ def convert(
     """Convert `req.source` for every target; one artifact per target (reused when already committed)."""
     settings = settings or get_settings()
     ckpt, fmt = open_and_detect(req.source, settings)
-    disabled = effective_disabled_kernels(req.disabled_kernels, settings.disabled_kernels)
-    plans = [
-        build_plan(
-            ckpt,
-            fmt,
-            t,
-            tp=req.tp,
-            method=req.method,
-            fp8_scheme=req.fp8_scheme,
-            disabled_kernels=disabled,
-            expert_parallel=req.expert_parallel,
-        )
-        for t in req.targets
-    ]
+    plans = [_build_plan(ckpt, fmt, t, req.spec(), settings) for t in req.targets]
     store = open_store(req.out or settings.resolved_store_url, settings)
     if progress:
         progress(Progress("hashing", 0, 0, 0, ckpt.total_bytes, "sha256 of the sources, while converting"))

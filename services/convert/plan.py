@@ -21,7 +21,7 @@ from services.convert.errors import ConversionError
 from services.convert.experts import PlannedExperts, plan_experts
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.limits import check_pattern_work
-from services.convert.request_values import FP8_SCHEMES, METHODS
+from services.convert.spec import FP8_SCHEMES, METHODS
 
 ONLINE_FP8_BLOCK = (128, 128)
 _IDEAL_DIM = 4096  # a shape every kernel takes, to tell a shape fallback from a scheme mismatch

@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kernels.errors import KilnError
+from services.convert.spec import ConversionSpec
 from services.db.models import TERMINAL_STATUSES, ApiToken, Artifact, ArtifactFile, Job, utcnow
 
 if TYPE_CHECKING:
@@ -115,9 +116,8 @@ def new_job_id() -> str:
     return f"job-{time.time_ns() // 1000:014x}{os.urandom(5).hex()}"
 
 
-def request_digest(source: str, targets: list[str], method: str, tp: int, options: dict[str, Any]) -> str:
-    key = {"source": source, "targets": sorted(set(targets)), "method": method, "tp": tp, "options": options}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+def request_digest(spec: ConversionSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.row(), sort_keys=True).encode()).hexdigest()
 
 
 def owner_dedupe_key(token_id: int | None, digest: str) -> str:
@@ -152,12 +152,8 @@ def _existing(session: Session, digest: str, idem_key: str | None, token_id: int
 
 def submit_job(
     session: Session,
+    spec: ConversionSpec,
     *,
-    source: str,
-    targets: list[str],
-    method: str,
-    tp: int,
-    options: dict[str, Any],
     idempotency_key: str | None,
     token_id: int | None,
     max_attempts: int,
@@ -170,7 +166,7 @@ def submit_job(
     concurrent races). Another token's identical request gets its own job. The common case, a new
     job, is one `INSERT … ON CONFLICT DO NOTHING RETURNING` (no lookup first, no savepoint).
     """
-    digest = request_digest(source, targets, method, tp, options)
+    digest = request_digest(spec)
     if token_id is None and idempotency_key is not None:
         # the unique (token_id, idempotency_key) index does not cover a NULL owner
         found = _existing(session, digest, idempotency_key, token_id)
@@ -179,11 +175,7 @@ def submit_job(
     for _ in range(2):  # a conflicting job that ended (and freed its dedupe_key) meanwhile: retry
         values = {
             "id": new_job_id(),
-            "source": source,
-            "targets": sorted(set(targets)),
-            "method": method,
-            "tp": tp,
-            "options": options,
+            **spec.row(),  # a column per field of the spec; the worker validates them back
             "request_digest": digest,
             "dedupe_key": owner_dedupe_key(token_id, digest),
             "idempotency_key": idempotency_key,
@@ -199,7 +191,7 @@ def submit_job(
         found = _existing(session, digest, idempotency_key, token_id)
         if found is not None:
             return Submission(found, False)
-    raise RuntimeError(f"job for {source!r}: conflicting inserts kept racing; submit again")
+    raise RuntimeError(f"job for {spec.source!r}: conflicting inserts kept racing; submit again")
 
 
 _INSERT_JOB: dict[str, Any] = {}  # by dialect; values travel as parameters (a fixed cache key)

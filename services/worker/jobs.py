@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from kernels.errors import KilnError
+from services.convert.spec import ConversionSpec
 from services.db import repo
+from services.db.models import Job
 from services.db.session import run_unit
 from services.redact import is_local, local_source_problem, public_error, redact_text
 from services.settings import ServiceSettings
@@ -171,31 +174,23 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class JobSpec:
+class Claimed:
+    """An attempt the worker claimed: its job, attempt number, the owning token's --source-buckets
+    (None: not narrowed) and the conversion the row holds."""
+
     id: str
-    source: str
-    targets: list[str]
-    method: str
-    tp: int
-    options: dict[str, object]
     attempt: int
-    token_buckets: tuple[str, ...] | None  # the owning token's --source-buckets (None: not narrowed)
+    token_buckets: tuple[str, ...] | None
+    conversion: ConversionSpec
 
 
-def build_request(spec: JobSpec, settings: ServiceSettings) -> object:
-    from services.convert.library import ConversionRequest
-
-    opts = spec.options
-    return ConversionRequest(
-        source=spec.source,
-        targets=list(spec.targets),
-        method=spec.method,  # type: ignore[arg-type]
-        tp=spec.tp,
-        fp8_scheme=str(opts.get("fp8_scheme", "tensor")),  # type: ignore[arg-type]
-        out=settings.resolved_store_url,
-        disabled_kernels=tuple(opts.get("disabled_kernels", ()) or ()),  # type: ignore[arg-type]
-        expert_parallel=bool(opts.get("expert_parallel", False)),
-    )
+def stored_spec(job: Job) -> ConversionSpec:
+    """The job row's conversion, validated back into its one shape (rows written before any option
+    existed validate to its default)."""
+    return ConversionSpec.model_validate(
+        {"source": job.source, "targets": list(job.targets), "method": job.method, "tp": job.tp,
+         "options": dict(job.options or {})}
+    )  # fmt: skip
 
 
 def discard_stale_staging(artifact_ids: list[str], settings: ServiceSettings) -> None:
@@ -227,7 +222,7 @@ def run_job(job_id: str, *, settings: ServiceSettings, task_id: str | None = Non
 
 def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) -> Outcome:
 
-    def claim(s: Session) -> tuple[str, JobSpec | None]:
+    def claim(s: Session) -> tuple[str, Claimed | str | None]:
         c = repo.claim_job(s, job_id, task_id)
         if c.outcome != "run" or c.job is None:
             return c.outcome, None
@@ -236,17 +231,26 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         buckets = (
             tuple(owner.source_buckets) if owner is not None and owner.source_buckets is not None else None
         )
-        return c.outcome, JobSpec(
-            j.id, j.source, list(j.targets), j.method, j.tp, dict(j.options or {}), j.attempts, buckets
-        )
+        try:
+            conversion = stored_spec(j)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            problem = f"the job's stored request is invalid ({where}: {first['msg']}); submit it again"
+            return c.outcome, problem
+        return c.outcome, Claimed(j.id, j.attempts, buckets, conversion)
 
     # Not idempotent: a rerun after a lost COMMIT would count the attempt twice.
-    outcome, spec = run_unit(settings, claim, what=f"job {job_id}'s claim")
-    if spec is None:
+    outcome, claimed = run_unit(settings, claim, what=f"job {job_id}'s claim")
+    if claimed is None:
         log.info("job %s: not run (%s)", job_id, outcome)
         return outcome  # type: ignore[return-value]
-    log.info("job %s: attempt %d: converting %s for %s", job_id, spec.attempt, spec.source, spec.targets)
-    if (problem := source_problem(spec.source, settings, spec.token_buckets)) is not None:
+    if isinstance(claimed, str):
+        _finish(job_id, "failed", claimed, settings)
+        return "failed"
+    spec = claimed.conversion
+    log.info("job %s: attempt %d: converting %s for %s", job_id, claimed.attempt, spec.source, spec.targets)
+    if (problem := source_problem(spec.source, settings, claimed.token_buckets)) is not None:
         _finish(job_id, "failed", problem, settings)  # the settings changed since it was queued
         return "failed"
     if is_local(spec.source) and (problem := local_source_problem(spec.source)) is not None:
@@ -254,7 +258,7 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         return "failed"
 
     try:
-        from services.convert.library import Cancelled, convert
+        from services.convert.library import Cancelled, ConversionRequest, convert
     except ImportError as e:  # a broken install: fail the job visibly rather than leave it running
         _finish(job_id, "failed", f"internal error: conversion library unavailable ({e})", settings)
         return "failed"
@@ -262,7 +266,7 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
     try:
         with Heartbeat(job_id, settings):
             results = convert(
-                build_request(spec, settings),  # type: ignore[arg-type]
+                ConversionRequest.from_spec(spec, out=settings.resolved_store_url),
                 progress=ProgressWriter(job_id, settings),
                 should_cancel=CancelCheck(job_id, settings),
                 settings=settings,
@@ -275,7 +279,7 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         return "failed"
     except Exception as e:
         if is_transient(e):
-            reason = f"transient error on attempt {spec.attempt}: {type(e).__name__}: {e}"
+            reason = f"transient error on attempt {claimed.attempt}: {type(e).__name__}: {e}"
             _retry_later(job_id, public_error(reason, spec.source), settings)
             raise TransientJobError(redact_text(str(e))) from e
         if isinstance(e, KilnError):

@@ -9,7 +9,7 @@ from pathlib import Path
 from kernels.targets import Target
 from runtime.artifact.manifest import Manifest
 from services.convert.library import ConversionRequest, convert, plan_targets
-from services.convert.request_values import disabled_kernels
+from services.convert.spec import ConversionSpec, disabled_kernels
 from services.settings import ServiceSettings
 from tests.helpers.synthetic import write_checkpoint
 
@@ -26,7 +26,8 @@ def test_the_request_and_the_deployment_disable_kernels_together() -> None:
 def test_plan_and_conversion_leave_out_both_sets(tmp_path: Path) -> None:
     src = str(write_checkpoint(tmp_path / "src", "gptq", bits=8, group_size=-1))
     settings = ServiceSettings(_env_file=None, data_dir=tmp_path / "var", disabled_kernels=["cpu_int8"])  # type: ignore[call-arg]
-    [planned] = plan_targets(src, [Target.CPU], disabled_kernels=("cpu_w8a8",), settings=settings)
+    spec = ConversionSpec(source=src, targets=[Target.CPU], options={"disabled_kernels": ["cpu_w8a8"]})
+    [planned] = plan_targets(spec, settings=settings)
     kernels = {layer.kernel.name for layer in planned.layers}
     assert kernels == {"dense"}  # int8 weights: cpu_int8 (deployment) and cpu_w8a8 (request) left out
     assert all(
@@ -34,6 +35,6 @@ def test_plan_and_conversion_leave_out_both_sets(tmp_path: Path) -> None:
         for layer in planned.layers
         if layer.quant.scheme == "int"
     )
-    request = ConversionRequest(src, ["cpu"], out=str(tmp_path / "out"), disabled_kernels=("cpu_w8a8",))
+    request = ConversionRequest.from_spec(spec, out=str(tmp_path / "out"))
     [result] = convert(request, settings=settings)
     assert {entry.kernel for entry in Manifest.load(Path(result.uri)).layers.values()} == {"dense"}

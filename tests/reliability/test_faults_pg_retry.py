@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from services.api.app import create_app
+from services.convert.spec import ConversionSpec
 from services.db import repo
 from services.db.models import Job
 from services.db.session import get_engine, run_unit
@@ -47,7 +48,7 @@ def killer(pg_settings: ServiceSettings) -> Iterator[BackendKiller]:
 def add_job(settings: ServiceSettings, source: str) -> Callable[[Session], str]:
     def work(s: Session) -> str:
         return repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
+            s, ConversionSpec(source=source, targets=["cpu"]),
             idempotency_key=None, token_id=None, max_attempts=3,
         ).job.id  # fmt: skip
 

@@ -331,13 +331,14 @@ def make_stack(
 def failed_job_error(settings: Settings, source: str) -> str:
     """Submit a conversion of `source`, run it in this process and return the error the failed job
     recorded (the job must fail)."""
+    from services.convert.spec import ConversionSpec
     from services.db import repo
     from services.db.session import session_scope
     from services.worker.jobs import run_job
 
     with session_scope(settings) as s:
         job_id = repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
+            s, ConversionSpec(source=source, targets=["cpu"]),
             idempotency_key=None, token_id=None, max_attempts=1,
         ).job.id  # fmt: skip
     assert run_job(job_id, settings=settings) == "failed"

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from services.api.app import create_app
+from services.convert.spec import ConversionSpec
 from services.db import migrate, repo
 from services.db.session import session_scope
 from services.settings import ServiceSettings as Settings
@@ -53,7 +54,7 @@ def test_unreachable_store_is_a_transient_error_that_keeps_the_job(
     settings = make_settings({**services_env, "KILN_S3_ENDPOINT_URL": dead, "KILN_S3_MAX_ATTEMPTS": "1"})
     with session_scope(settings) as s:
         job_id = repo.submit_job(
-            s, source=str(tiny_checkpoint), targets=["cpu"], method="auto", tp=1, options={},
+            s, ConversionSpec(source=str(tiny_checkpoint), targets=["cpu"]),
             idempotency_key=None, token_id=None, max_attempts=2,
         ).job.id  # fmt: skip
     with pytest.raises(TransientJobError):

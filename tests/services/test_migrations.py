@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Connection, create_engine, insert, inspect, text
 
+from services.convert.spec import ConversionSpec
 from services.db import migrate, repo
 from services.db.models import Base
 from services.db.session import dispose_engines, session_scope
@@ -93,7 +94,7 @@ def test_kiln_db_commands(tmp_path: Path) -> None:
 
 
 def _digest(source: str) -> str:
-    return repo.request_digest(source, ["cpu"], "auto", 1, {})
+    return repo.request_digest(ConversionSpec(source=source, targets=["cpu"]))
 
 
 def _insert_job(conn: Connection, job_id: str, token_id: int | None, source: str, live: bool) -> None:
@@ -145,7 +146,7 @@ def test_0002_scopes_existing_dedupe_keys_to_their_owner(empty_db: str) -> None:
     settings = Settings(_env_file=None, database_url=empty_db)  # type: ignore[call-arg]
     with session_scope(settings) as s:
         submit = partial(
-            repo.submit_job, s, source=shared, targets=["cpu"], method="auto", tp=1, options={},
+            repo.submit_job, s, ConversionSpec(source=shared, targets=["cpu"]),
             idempotency_key=None, max_attempts=3,
         )  # fmt: skip
         assert submit(token_id=1).job.id == "job-1"

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import delete
 
+from services.convert.spec import ConversionSpec
 from services.db import repo
 from services.db.models import ApiToken, Job
 from services.db.session import session_scope
@@ -26,7 +27,7 @@ def settings(pg_url: str) -> Iterator[Settings]:
 def _submit(settings: Settings, source: str, key: str | None = None, token_id: int | None = None) -> str:
     with session_scope(settings) as s:
         sub = repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
+            s, ConversionSpec(source=source, targets=["cpu"]),
             idempotency_key=key, token_id=token_id, max_attempts=3,
         )  # fmt: skip
         return sub.job.id

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from services.api.app import create_app
+from services.convert.spec import ConversionSpec
 from services.db import repo
 from services.db.models import Artifact
 from services.db.session import session_scope
@@ -123,7 +124,7 @@ def test_identical_submissions_and_idempotency_keys_are_per_owner(clients: dict[
 def _submit(settings: Settings, source: str, token_id: int | None) -> str:
     with session_scope(settings) as s:
         return repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1, options={},
+            s, ConversionSpec(source=source, targets=["cpu"]),
             idempotency_key=None, token_id=token_id, max_attempts=3,
         ).job.id  # fmt: skip
 

@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from runtime.artifact.manifest import Manifest
+from services.convert.spec import ConversionSpec
 from services.db.models import Artifact, ArtifactFile, Job
 from services.db.session import session_scope
 from tests.services.conftest import TEST_VISIBILITY_TIMEOUT_S, WorkerProcess, wait_for_job
@@ -195,8 +196,7 @@ def test_reconciler_requeues_a_job_whose_message_is_gone(
     source = stack.upload_checkpoint(tiny_checkpoint, "tiny-orphan")
     with session_scope(stack.settings) as s:
         sub = repo.submit_job(
-            s, source=source, targets=["cpu"], method="auto", tp=1,
-            options={"fp8_scheme": "tensor", "disabled_kernels": []},
+            s, ConversionSpec(source=source, targets=["cpu"]),
             idempotency_key=None, token_id=None, max_attempts=3,
         )  # fmt: skip
         sub.job.task_id = "lost-message"

@@ -88,11 +88,7 @@ def submit(
         settings,
         lambda session: repo.submit_job(
             session,
-            source=body.source,
-            targets=list(body.targets),
-            method=body.method,
-            tp=body.tp,
-            options=body.options.model_dump(),
+            body,
             idempotency_key=idempotency_key,
             token_id=token.id,
             max_attempts=settings.max_job_attempts,

@@ -41,18 +41,8 @@ def create_plan(body: schemas.ConversionCreate, settings: SettingsDep, token: To
     source = body.source
     if is_local(source) and (problem := local_source_problem(source)) is not None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, problem)
-    options = body.options
     try:
-        plans = plan_targets(
-            source,
-            list(body.targets),
-            tp=body.tp,
-            method=body.method,
-            fp8_scheme=options.fp8_scheme,
-            disabled_kernels=tuple(options.disabled_kernels),
-            expert_parallel=options.expert_parallel,
-            settings=settings,
-        )
+        plans = plan_targets(body, settings=settings)
     except (NotFoundError, NotACheckpointError) as e:  # no checkpoint there
         raise HTTPException(status.HTTP_404_NOT_FOUND, public_error(str(e), source)) from e
     except KilnError as e:

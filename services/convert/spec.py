@@ -1,0 +1,91 @@
+"""A conversion request, in one shape (`ConversionSpec`): `kiln convert` / `kiln plan` build it, the
+REST body of `POST /v1/conversions` and `POST /v1/plans` is it (services/api/schemas.py adds only the
+API's checks on `source`), a job row stores its fields one per column, and the worker validates the
+row back into it. The allowed values and the disabled-kernel rule are declared here once. No torch:
+the API process imports it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Literal, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
+
+from kernels.errors import UnsupportedError
+from kernels.targets import Target
+
+Method = Literal["auto", "fp8"]  # keep the checkpoint's quantization | quantize to FP8 online
+Fp8Scheme = Literal["tensor", "channel", "block"]  # online FP8 scales
+METHODS: tuple[str, ...] = get_args(Method)
+FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
+MAX_TARGETS = 6
+MAX_TP = 64
+MAX_DISABLED_KERNELS = 32
+MAX_SOURCE_CHARS = 2048
+
+TargetName = Annotated[Target, Strict(False)]  # "sm80" in JSON, also under a strict model
+KernelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,64}$")]
+
+
+def _json_integer(value: object) -> object:
+    """JSON Schema's `integer` includes 7.0; booleans and strings stay refused (strict mode)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+def disabled_kernels(requested: Iterable[str], configured: Iterable[str]) -> tuple[str, ...]:
+    """The kernels a conversion leaves out: the request's and the deployment's (KILN_DISABLED_KERNELS)
+    together, so a plan promises only kernels the worker will use."""
+    return tuple(dict.fromkeys([*requested, *configured]))
+
+
+class ConversionOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fp8_scheme: Fp8Scheme = "tensor"
+    disabled_kernels: list[KernelName] = Field(default_factory=list, max_length=MAX_DISABLED_KERNELS)
+    expert_parallel: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: place whole experts on each of the `tp` ranks "
+        "(expert parallel, `kiln convert --ep`) instead of splitting every expert",
+    )
+
+
+class ConversionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="Checkpoint location: s3://bucket/prefix, or an absolute directory on the server "
+        "(allowed outside production unless KILN_ALLOW_LOCAL_SOURCES=false)",
+        examples=["s3://checkpoints/SmolLM2-135M-Instruct"],
+    )
+    targets: list[TargetName] = Field(min_length=1, max_length=MAX_TARGETS, examples=[["cpu", "sm80"]])
+    method: Method = "auto"
+    tp: JsonInt = Field(default=1, ge=1, le=MAX_TP)
+    options: ConversionOptions = Field(default_factory=ConversionOptions)
+
+    def row(self) -> dict[str, object]:
+        """The fields as a job row stores them (JSON values; targets sorted and distinct)."""
+        data = self.model_dump(mode="json")
+        data["targets"] = sorted(set(data["targets"]))
+        return data
+
+
+class ConversionSpecError(UnsupportedError):
+    """A conversion request with a value outside what it allows (the message names the field)."""
+
+
+def conversion_spec(**fields: object) -> ConversionSpec:
+    """A `ConversionSpec`, or a ConversionSpecError naming every field out of range (the library's and
+    the CLI's callers get a KilnError, not pydantic's)."""
+    try:
+        return ConversionSpec.model_validate(fields)
+    except ValidationError as e:
+        problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConversionSpecError("; ".join(problems)) from None
