@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 demo: install
-	$(PY) -m services.demo
+	$(PY) -m devtools.demo
 
 test: install vllm-venv
 	bash infra/ensure-services.sh

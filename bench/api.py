@@ -144,7 +144,7 @@ def bench_backend(name: str, api: ApiProcess, n: int, concurrency: int, run_id: 
 
 def bench_e2e(workdir: Path) -> dict | None:
     try:
-        from services.demo import checkpoints
+        from devtools import checkpoints
 
         source = checkpoints.build_bf16()
     except Exception as e:

@@ -2,7 +2,7 @@
 
 Peer: a plain safetensors round trip of the same checkpoint (`load_file` + `save_file`, file by
 file) — the least work any converter does that reads and writes every byte. Each run is a fresh
-subprocess (peak RSS: its VmHWM, runtime/process_memory.py). Checkpoints: the synthetic ≥ 2 GB
+subprocess (peak RSS: its VmHWM, devtools/process_memory.py). Checkpoints: the synthetic ≥ 2 GB
 bf16 Llama (written once to .cache/kiln-test/synthetic-2g) and SmolLM2-135M bf16 if present
 (--smollm2 DIR or .cache/kiln-test/smollm2-bf16).
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 CONVERT_CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from runtime.process_memory import peak_rss_bytes
+from devtools.process_memory import peak_rss_bytes
 from kernels.registry import BUILTIN_KERNELS, builtin_kernel
 from services.convert.library import ConversionRequest, convert
 for name in BUILTIN_KERNELS:
@@ -51,7 +51,7 @@ PEER_CHILD = """
 import json, sys, time
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-from runtime.process_memory import peak_rss_bytes
+from devtools.process_memory import peak_rss_bytes
 t = time.perf_counter()
 for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
     save_file(load_file(str(f)), str(Path(sys.argv[2]) / f.name))

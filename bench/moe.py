@@ -19,7 +19,7 @@
    method, `Fp8PerTensorOnlineMoEMethod`, loops over). The peer neither verifies nor writes anything, so the
    ratio understates Kiln's lead on equal work. The peer's Marlin bytes of the first MoE layer are
    compared with Kiln's artifact and must be identical.
-2. Peak RSS of every process (VmHWM; runtime/process_memory.py) as a fraction of the source size.
+2. Peak RSS of every process (VmHWM; devtools/process_memory.py) as a fraction of the source size.
 3. CPU decode tok/s at batch 1 and 8 of the tiny Qwen3-MoE of the tests (tests/fixtures/
    moe_checkpoints.py: hidden 256, 8 experts top-2) served by Kiln (bf16 and GPTQ W4A16 artifacts),
    next to transformers on the same bf16 checkpoint (bf16 and fp32), each in its own process
@@ -56,7 +56,7 @@ MARKER = "KILN-BENCH "
 
 
 def child_kiln_convert(source: str, target: str, method: str, out: str) -> dict[str, Any]:
-    from runtime.process_memory import peak_rss_bytes
+    from devtools.process_memory import peak_rss_bytes
     from services.convert.library import ConversionRequest, convert
 
     t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def child_vllm_peer(source_dir: str, mode: str, out: str) -> dict[str, Any]:
     )
     from vllm.scalar_type import scalar_types
 
-    from runtime.process_memory import peak_rss_bytes
+    from devtools.process_memory import peak_rss_bytes
 
     source = Path(source_dir)
     config, weight_map, layers = _experts_of(source)
@@ -261,7 +261,7 @@ def bench_conversion(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
-    from services.demo import checkpoints
+    from devtools import checkpoints
     from tests.fixtures.moe_checkpoints import build_quantized, build_qwen3_moe
 
     source = build_qwen3_moe("marlin")

@@ -18,7 +18,7 @@ Every system runs in its own process, so each figure includes nothing of the oth
                B concurrent streams (continuous batching).
   peak RSS     the decode process's peak resident set (VmHWM; a server's processes summed).
 
-Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by services/demo/checkpoints.py —
+Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/checkpoints.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
 declared and the same checkpoint weight-only — converted on first use and
 cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
@@ -66,7 +66,7 @@ WARMUP_TOKENS = 8
 
 
 def _peak_rss_mb() -> float:
-    from runtime.process_memory import peak_rss_bytes
+    from devtools.process_memory import peak_rss_bytes
 
     return peak_rss_bytes() / 2**20
 
@@ -330,8 +330,8 @@ def measure(python: str, system: str, path: str, args: argparse.Namespace) -> di
 
 
 def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
-    """The SmolLM2 CPU artifacts and the bf16 source, from services/demo/checkpoints.py's cache."""
-    from services.demo import checkpoints
+    """The SmolLM2 CPU artifacts and the bf16 source, from devtools/checkpoints.py's cache."""
+    from devtools import checkpoints
 
     sources: dict[str, tuple[Any, str, tuple[str, ...]]] = {
         "bf16": (checkpoints.build_bf16, "auto", ()),
@@ -361,7 +361,7 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
 
 
 def _dir_of(builder: Any) -> str:
-    from services.demo import checkpoints
+    from devtools import checkpoints
 
     return {
         checkpoints.build_bf16: checkpoints.BF16_DIR,
@@ -372,13 +372,13 @@ def _dir_of(builder: Any) -> str:
 
 
 def _existing(path: Path) -> Path | None:
-    from services.demo import checkpoints
+    from devtools import checkpoints
 
     return path if checkpoints.is_complete(path) else None
 
 
 def _gptq_checkpoint(build: bool) -> Path | None:
-    from services.demo import checkpoints
+    from devtools import checkpoints
 
     return (
         checkpoints.build_gptq(None) if build else _existing(checkpoints.cache_root() / checkpoints.GPTQ_DIR)
@@ -603,7 +603,7 @@ def main() -> None:
         source = source or default_source
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None:
-        from services.demo import checkpoints
+        from devtools import checkpoints
 
         gguf = checkpoints.gguf_file()
 

@@ -27,8 +27,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from devtools.processes import Server  # noqa: E402
 from runtime.request_limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402
-from services.demo.processes import Server  # noqa: E402
 from tests.runtime.artifact_factory import tiny_hf_model, write_artifact  # noqa: E402
 
 MODEL = "tiny"

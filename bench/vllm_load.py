@@ -54,7 +54,7 @@ DECODE_TOKENS = 128
 
 def big_checkpoint(target_gb: float) -> Path:
     """A Llama-7B-shaped (4096 wide) compressed-tensors GPTQ g128 checkpoint of ≥ target_gb on disk."""
-    from services.demo.checkpoints import cache_root, is_complete
+    from devtools.checkpoints import cache_root, is_complete
     from tests.helpers.synthetic import TINY, write_large_checkpoint
 
     per_layer = (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 11008) // 2  # int4 bytes
@@ -180,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.vllm_python.exists():
         sys.exit(f"{args.vllm_python} not found: make vllm-venv")
-    from services.demo.checkpoints import CheckpointUnavailable, build_artifact, build_gptq
+    from devtools.checkpoints import CheckpointUnavailable, build_artifact, build_gptq
 
     target = args.target
     if target == "auto":

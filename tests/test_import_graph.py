@@ -1,5 +1,6 @@
-"""The import graph of kernels/, runtime/ and services/: no cycle, and imports point one way
-(kernels <- runtime <- services).
+"""The import graph of kernels/, runtime/, services/ and devtools/: no cycle, and imports point one
+way (kernels <- runtime <- services <- devtools; devtools is development tooling the wheel does not
+ship, so no product module may import it).
 
 Every module is parsed with `ast`; every import counts, wherever it is written: at module level,
 inside a function (the usual way to hide a cycle), or under `if TYPE_CHECKING:`. `import a.b` and
@@ -16,9 +17,13 @@ from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "runtime", "services")
+PACKAGES = ("kernels", "runtime", "services", "devtools")
 # layer -> the layers it must not import
-FORBIDDEN = {"kernels": ("runtime", "services"), "runtime": ("services",)}
+FORBIDDEN = {
+    "kernels": ("runtime", "services", "devtools"),
+    "runtime": ("services", "devtools"),
+    "services": ("devtools",),
+}
 
 
 @dataclass(frozen=True)
@@ -161,13 +166,15 @@ def test_no_import_cycle() -> None:
 
 
 def test_imports_point_one_way() -> None:
-    """kernels imports neither runtime nor services; runtime does not import services."""
+    """kernels imports neither runtime nor services; runtime does not import services; no product
+    package imports devtools."""
     bad = [
         str(e)
         for e in edges()
         if any(e.dst.split(".")[0] == layer for layer in FORBIDDEN.get(e.src.split(".")[0], ()))
     ]
-    assert not bad, "imports against the kernels <- runtime <- services direction:\n  " + "\n  ".join(bad)
+    direction = "kernels <- runtime <- services <- devtools"
+    assert not bad, f"imports against the {direction} direction:\n  " + "\n  ".join(bad)
 
 
 def test_worker_celery_app_is_a_leaf() -> None:

@@ -21,7 +21,7 @@ MOE_PEAK_RSS_FRACTION = 0.5  # of the source checkpoint's size
 
 CHILD = """
 import json, sys
-from runtime.process_memory import peak_rss_bytes
+from devtools.process_memory import peak_rss_bytes
 from services.convert.library import ConversionRequest, convert
 (r,) = convert(ConversionRequest(sys.argv[1], [sys.argv[2]], method=sys.argv[3], out=sys.argv[4]))
 print(json.dumps({"maxrss_bytes": peak_rss_bytes(),

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from devtools import checkpoints
 from runtime.artifact.manifest import Manifest
 from services.convert.library import ConversionRequest, convert
-from services.demo import checkpoints
 
 NUM_LAYERS = 30
 FUSED_LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj

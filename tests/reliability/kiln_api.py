@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.demo.processes import DemoStepFailed, Server
+from devtools.processes import DemoStepFailed, Server
 from services.settings import ServiceSettings
 
 START_TIMEOUT_S = 120

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.processes import Server
 from runtime.request_limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, max_prompt_chars
-from services.demo.processes import Server
 from tests.runtime.artifact_factory import VOCAB_SIZE, tiny_hf_model, write_artifact
 
 pytestmark = [pytest.mark.timing, pytest.mark.timeout(600)]

@@ -28,8 +28,8 @@ import httpx
 import pytest
 import torch
 
+from devtools.eval import runtime_logits_fn
 from runtime.engine import Engine
-from runtime.eval import runtime_logits_fn
 from runtime.loader import LoadedModel, load_model
 from runtime.sampling import SamplingParams
 from services.convert.library import ConversionRequest, convert

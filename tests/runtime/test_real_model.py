@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from devtools import checkpoints
+from devtools.eval import generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.chat import apply_chat_template
-from runtime.eval import generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.loader import LoadedModel, load_model
-from services.demo import checkpoints
 from tests.fixtures.checkpoints import reference_model
 
 # Tolerances between the runtime (bf16 activations through 30 layers) and the fp32 reference on the
@@ -190,7 +190,7 @@ def test_perplexity_on_gpl3(case: Case) -> None:
 )
 def test_demo_answers_paris(artifact_fixture: str, request: pytest.FixtureRequest) -> None:
     """The two artifacts `make demo` builds answer its question correctly through the demo's own path."""
-    from services.demo import answer
+    from devtools.demo import answer
 
     result = answer(request.getfixturevalue(artifact_fixture))
     assert "Paris" in result.text, result.text
@@ -205,8 +205,8 @@ LLMCOMPRESSOR_AWQ_PPL = 26.787  # measured here (docs/formats.md §17.3)
 def test_llmcompressor_awq_end_to_end(smollm2_bf16: Path) -> None:
     """llm-compressor's real AWQ (≈18 min on 2 quiet cores): quantize, convert for cpu and sm80,
     verify, then serve the cpu artifact: perplexity near the published figure, and the demo answer."""
+    from devtools.demo import answer
     from runtime.artifact.manifest import Manifest
-    from services.demo import answer
 
     source = checkpoints.build_awq_llmcompressor()
     qcfg = json.loads((source / "config.json").read_text())["quantization_config"]

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from transformers import PreTrainedModel
 
-from services.demo.processes import Server
+from devtools.processes import Server
 from tests.runtime.artifact_factory import write_artifact
 from tests.runtime.serving import MODEL_NAME, serve_artifact
 

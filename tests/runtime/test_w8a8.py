@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from runtime.eval import PerplexityResult, generate_greedy, runtime_logits_fn, text_perplexity
+from devtools import checkpoints
+from devtools.eval import PerplexityResult, generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.loader import load_model
-from services.demo import checkpoints
 from tests.fixtures.checkpoints import reference_model
 from tests.runtime.test_real_model import FRANCE, record_perplexity
 

@@ -19,7 +19,7 @@ def test_demo_answers_through_the_service_and_stops_what_it_started(tmp_path: Pa
     log = tmp_path / "demo.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_CHECKPOINT_CACHE"}
     out = subprocess.run(
-        [sys.executable, "-m", "services.demo", "--no-int4", "--log", str(log)],
+        [sys.executable, "-m", "devtools.demo", "--no-int4", "--log", str(log)],
         cwd=REPO, env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     screen = out.stdout + out.stderr

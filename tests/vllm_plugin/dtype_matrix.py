@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.demo import checkpoints
+from devtools import checkpoints
 from tests.fixtures import moe_checkpoints as mc
 
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")

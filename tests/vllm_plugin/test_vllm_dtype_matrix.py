@@ -124,7 +124,7 @@ def _resolve_jobs(method: str, source: str) -> list[dict[str, Any]]:
 
 
 def _kiln_prompt_logprobs(path: Path) -> list[float]:
-    from runtime.eval import runtime_logits_fn
+    from devtools.eval import runtime_logits_fn
     from runtime.loader import load_model
 
     ids = torch.tensor([PROMPT_IDS])

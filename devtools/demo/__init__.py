@@ -14,7 +14,7 @@ API's in-process worker; no Redis, PostgreSQL or S3):
 
 Checkpoints and artifacts are cached (KILN_CHECKPOINT_CACHE or .cache/kiln-test/), so a second run
 skips the producers and the conversions. The checkpoints themselves are built by
-`services.demo.checkpoints` (also used by the tests and benchmarks); nothing here is imported by the
+`devtools.checkpoints` (also used by the tests and benchmarks); nothing here is imported by the
 API, worker or runtime.
 """
 
@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from devtools.processes import DemoStepFailed, Server, kiln, output_into
 from kernels.errors import KilnError
-from services.demo.processes import DemoStepFailed, Server, kiln, output_into
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 48
@@ -68,8 +68,8 @@ def _produce(message: str, fn: Callable[[], Path], log: Path) -> Path:
 
 def answer(artifact: Path, question: str = QUESTION, max_tokens: int = MAX_TOKENS) -> DemoAnswer:
     """Load an artifact with the runtime and answer `question` greedily with the chat template."""
+    from devtools.eval import generate_greedy
     from runtime.chat import apply_chat_template
-    from runtime.eval import generate_greedy
     from runtime.loader import load_model
 
     started = time.perf_counter()
@@ -165,13 +165,13 @@ def ask(
 
 
 def default_log() -> Path:
-    from services.demo import checkpoints
+    from devtools import checkpoints
 
     return checkpoints.cache_root() / "demo.log"
 
 
 def run(*, with_int4: bool = True, threads: int = 2, log: Path | None = None) -> list[DemoAnswer]:
-    from services.demo import checkpoints
+    from devtools import checkpoints
 
     cache = checkpoints.cache_root()
     log = log or default_log()
@@ -274,7 +274,7 @@ def run(*, with_int4: bool = True, threads: int = 2, log: Path | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devtools.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--no-int4", action="store_true", help="skip the GPTQ int4 path (≈100 s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--log", type=Path, help="producer and service output (default: <cache>/demo.log)")
