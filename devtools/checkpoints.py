@@ -36,7 +36,7 @@ from kernels.errors import KilnError
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT / "tests" / "data"
 CALIBRATION_DIR = DATA_DIR / "calibration"
 PERPLEXITY_TEXT = DATA_DIR / "gpl-3.txt"

@@ -17,7 +17,7 @@ import httpx
 from kernels.errors import KilnError
 from runtime.distributed import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 KILN = [sys.executable, "-m", "services.cli"]
 
 
