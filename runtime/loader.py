@@ -539,6 +539,66 @@ def open_artifact(
     return OpenedArtifact(path, manifest, cfg, device, rank, world_size, files, tensors, linears, groups)
 
 
+def _bind_linears(
+    model: LlamaForCausalLM,
+    opened: OpenedArtifact,
+    used: set[str],
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Every checked linear layer bound to its module; a module without a manifest entry refused."""
+    linears = model.linear_layers()
+    for layer in opened.linears.values():
+        module = linears.get(layer.name)
+        if module is None:
+            raise LoadError(
+                f"manifest layer {layer.name!r} has no place in {opened.config.architecture} "
+                "(is the converter newer?)"
+            )
+        used.update(f"{layer.name}.{suffix}" for suffix in layer.tensors)
+        bound = {suffix: to_device(t) for suffix, t in layer.tensors.items()}
+        if layer.spec.row_parallel and opened.rank != 0:
+            bound.pop("bias", None)  # the all-reduce must add a row-parallel bias once: rank 0 applies it
+        module.bind(layer.kernel, layer.spec, bound)
+    missing = [m.name for m in linears.values() if m.kernel is None]
+    if missing:
+        raise LoadError(
+            f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
+        )
+
+
+def _bind_dense(
+    model: LlamaForCausalLM,
+    opened: OpenedArtifact,
+    norm_dtype: torch.dtype,
+    used: set[str],
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Embeddings and norms under their HF names (norm weights are tiny: cast to the residual dtype),
+    and the lm_head weight when it is not a linear layer of the manifest."""
+    tensors, cfg = opened.tensors, opened.config
+    for hf_name, (module, attr) in model.hf_parameter_names().items():
+        if hf_name not in tensors:
+            raise LoadError(f"tensor {hf_name} is missing from rank {opened.rank}'s files")
+        check_dense_tensor(hf_name, tensors[hf_name], tuple(getattr(module, attr).shape))
+        t = to_device(tensors[hf_name])
+        if not isinstance(module, nn.Embedding) and t.dtype != norm_dtype:
+            t = t.to(norm_dtype)
+        _set_param(module, attr, t)
+        used.add(hf_name)
+    if "lm_head" in opened.manifest.layers:
+        return
+    if "lm_head.weight" in tensors:
+        check_dense_tensor("lm_head.weight", tensors["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size))
+        head = to_device(tensors["lm_head.weight"])
+        used.add("lm_head.weight")
+    elif cfg.tie_word_embeddings:
+        head = model.embed_tokens.weight
+    else:
+        raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
+    # Used as stored (no load-time copy): the hidden state is cast to its dtype (runtime/model.py).
+    model.lm_head_weight = head
+
+
 def load_model(
     artifact: Path | str | OpenedArtifact,
     *,
@@ -569,48 +629,9 @@ def load_model(
         return t if device == "cpu" else t.to(device, non_blocking=False)
 
     used: set[str] = set()
-    # Linear layers: check each against the model config and its kernel's declared tensors, then bind.
-    linears = model.linear_layers()
-    for layer in opened.linears.values():
-        module = linears.get(layer.name)
-        if module is None:
-            raise LoadError(
-                f"manifest layer {layer.name!r} has no place in {cfg.architecture} (is the converter newer?)"
-            )
-        used.update(f"{layer.name}.{suffix}" for suffix in layer.tensors)
-        bound = {suffix: to_device(t) for suffix, t in layer.tensors.items()}
-        if layer.spec.row_parallel and rank != 0:
-            bound.pop("bias", None)  # the all-reduce must add a row-parallel bias once: rank 0 applies it
-        module.bind(layer.kernel, layer.spec, bound)
-    missing = [m.name for m in linears.values() if m.kernel is None]
-    if missing:
-        raise LoadError(
-            f"the manifest has no entry for layer(s) {', '.join(missing[:5])}: artifact incomplete"
-        )
+    _bind_linears(model, opened, used, to_device)
     bind_expert_groups(model, opened.expert_groups, used, to_device)
-
-    # Embeddings and norms keep their HF names. Norm weights are tiny: cast to the residual dtype.
-    norm_dtype = residual_dtype(dtype, device)
-    for hf_name, (module, attr) in model.hf_parameter_names().items():
-        if hf_name not in tensors:
-            raise LoadError(f"tensor {hf_name} is missing from rank {rank}'s files")
-        check_dense_tensor(hf_name, tensors[hf_name], tuple(getattr(module, attr).shape))
-        t = to_device(tensors[hf_name])
-        if not isinstance(module, nn.Embedding) and t.dtype != norm_dtype:
-            t = t.to(norm_dtype)
-        _set_param(module, attr, t)
-        used.add(hf_name)
-    if not has_lm_head_layer:
-        if "lm_head.weight" in tensors:
-            check_dense_tensor("lm_head.weight", tensors["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size))
-            head = to_device(tensors["lm_head.weight"])
-            used.add("lm_head.weight")
-        elif cfg.tie_word_embeddings:
-            head = model.embed_tokens.weight
-        else:
-            raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
-        # Used as stored (no load-time copy): the hidden state is cast to its dtype (runtime/model.py).
-        model.lm_head_weight = head
+    _bind_dense(model, opened, residual_dtype(dtype, device), used, to_device)
     unused = sorted(set(tensors) - used)
     if unused:
         log.warning("ignoring %d tensor(s) the model does not use, e.g. %s", len(unused), unused[:3])
