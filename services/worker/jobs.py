@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
@@ -29,6 +29,9 @@ from services.redact import is_local, local_source_problem, public_error, redact
 from services.settings import ServiceSettings
 from services.sources import source_problem
 from services.storage import open_store
+
+if TYPE_CHECKING:
+    from services.convert.pipeline import ConversionResult  # annotations only: no torch at import
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +223,8 @@ def run_job(job_id: str, *, settings: ServiceSettings, task_id: str | None = Non
         raise
 
 
-def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) -> Outcome:
+def _claim(job_id: str, settings: ServiceSettings, task_id: str | None) -> tuple[str, Claimed | str | None]:
+    """Claim the job for this attempt: (outcome, the claimed attempt | why its row cannot run | None)."""
 
     def claim(s: Session) -> tuple[str, Claimed | str | None]:
         c = repo.claim_job(s, job_id, task_id)
@@ -241,7 +245,11 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         return c.outcome, Claimed(j.id, j.attempts, buckets, conversion)
 
     # Not idempotent: a rerun after a lost COMMIT would count the attempt twice.
-    outcome, claimed = run_unit(settings, claim, what=f"job {job_id}'s claim")
+    return run_unit(settings, claim, what=f"job {job_id}'s claim")
+
+
+def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) -> Outcome:
+    outcome, claimed = _claim(job_id, settings, task_id)
     if claimed is None:
         log.info("job %s: not run (%s)", job_id, outcome)
         return outcome  # type: ignore[return-value]
@@ -250,22 +258,45 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
         return "failed"
     spec = claimed.conversion
     log.info("job %s: attempt %d: converting %s for %s", job_id, claimed.attempt, spec.source, spec.targets)
-    if (problem := source_problem(spec.source, settings, claimed.token_buckets)) is not None:
-        _finish(job_id, "failed", problem, settings)  # the settings changed since it was queued
-        return "failed"
-    if is_local(spec.source) and (problem := local_source_problem(spec.source)) is not None:
+    problem = source_problem(spec.source, settings, claimed.token_buckets)  # the settings may have changed
+    if problem is None and is_local(spec.source):
+        problem = local_source_problem(spec.source)
+    if problem is not None:
         _finish(job_id, "failed", problem, settings)
         return "failed"
+    results = _convert(job_id, claimed, settings)
+    if isinstance(results, str):
+        return results  # type: ignore[return-value]
+    ids = [r.artifact_id for r in results]
+    discard_stale_staging(ids, settings)  # before the job reads as succeeded
 
+    def record(s: Session) -> None:
+        for r in results:
+            repo.record_artifact(s, r.manifest, r.uri, job_id)
+        repo.complete_job(s, job_id, ids)
+
+    try:
+        run_unit(settings, record, what=f"job {job_id}'s artifacts", idempotent=True)  # upserts
+    except Exception as e:
+        if is_transient(e):  # the artifacts are committed: the retry reuses them
+            raise TransientJobError(str(e)) from e
+        raise
+    log.info("job %s: succeeded: %s", job_id, ", ".join(ids))
+    return "succeeded"
+
+
+def _convert(job_id: str, claimed: Claimed, settings: ServiceSettings) -> list[ConversionResult] | str:
+    """Run the conversion: its results, or the outcome the job ended with ("failed", "cancelled");
+    a transient error is retried later (TransientJobError)."""
+    spec = claimed.conversion
     try:
         from services.convert.library import Cancelled, ConversionRequest, convert
     except ImportError as e:  # a broken install: fail the job visibly rather than leave it running
         _finish(job_id, "failed", f"internal error: conversion library unavailable ({e})", settings)
         return "failed"
-
     try:
         with Heartbeat(job_id, settings):
-            results = convert(
+            return convert(
                 ConversionRequest.from_spec(spec, out=settings.resolved_store_url),
                 progress=ProgressWriter(job_id, settings),
                 should_cancel=CancelCheck(job_id, settings),
@@ -289,23 +320,6 @@ def _run_attempt(job_id: str, settings: ServiceSettings, task_id: str | None) ->
             reason = f"internal error ({type(e).__name__}): {e}"
             _finish(job_id, "failed", public_error(reason, spec.source), settings)
         return "failed"
-
-    ids = [r.artifact_id for r in results]
-    discard_stale_staging(ids, settings)  # before the job reads as succeeded
-
-    def record(s: Session) -> None:
-        for r in results:
-            repo.record_artifact(s, r.manifest, r.uri, job_id)
-        repo.complete_job(s, job_id, ids)
-
-    try:
-        run_unit(settings, record, what=f"job {job_id}'s artifacts", idempotent=True)  # upserts
-    except Exception as e:
-        if is_transient(e):  # the artifacts are committed: the retry reuses them
-            raise TransientJobError(str(e)) from e
-        raise
-    log.info("job %s: succeeded: %s", job_id, ", ".join(ids))
-    return "succeeded"
 
 
 def record_time_limit_kill(job_id: str, settings: ServiceSettings) -> None:
