@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
     import uvicorn
 
-    from runtime.engine import AsyncEngine
+    from runtime.engine import AsyncEngine, Engine
+    from runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -144,74 +146,107 @@ def serve(
 
     import_torch()
     import torch
-    import uvicorn
 
     from kernels.errors import KilnError
-    from runtime.distributed import private_rendezvous
-    from runtime.engine import AsyncEngine, Engine
-    from runtime.loader import LoadError, load_model
-    from runtime.openai import build_app
     from runtime.settings import get_settings
-    from runtime.tp_serving import (
-        LeaderEngine,
-        RankSpec,
-        load_rank,
-        start_followers,
-        stop_followers,
-        watch_followers,
-    )
 
     settings = get_settings()
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
-    followers: list[SpawnProcess] = []
-    rendezvous = Path()
     try:
         path = resolve_artifact(artifact, cache_dir, verify=verify)
-        world_size = tp_size(path, tp)
-        if world_size == 1:
-            loaded = load_model(
-                path, device=device.value if device else None, kv_cache_dtype=kv_cache_dtype.value
-            )
-            engine = Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        else:
-            rendezvous = private_rendezvous()
-            spec = RankSpec(
-                artifact=str(path),
-                world_size=world_size,
-                rendezvous=str(rendezvous),
-                device=device.value if device else None,
-                kv_cache_dtype=kv_cache_dtype.value,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                num_threads=settings.num_threads,
-            )
-            log.info("starting %d tensor-parallel ranks for %s", world_size, path)
-            followers = start_followers(spec)
-            leader, errors = load_rank(spec, 0, LeaderEngine)
-            if leader is None:
-                stop_followers(None, followers, rendezvous)
-                raise LoadError("; ".join(errors))
-            engine = leader
-            loaded = engine.loaded
-        if loaded.tokenizer is None:
-            raise LoadError(f"{path}: the artifact has no tokenizer; re-convert its checkpoint")
+        ranks = _start_ranks(
+            path, tp_size(path, tp), device.value if device else None, kv_cache_dtype.value, max_num_seqs,
+            max_model_len, settings.num_threads,
+        )  # fmt: skip
         freeze_long_lived()
     except KilnError as e:
         print_error(e)
         raise typer.Exit(code=1) from e
+    api_key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
+    max_request_bytes = max_request_bytes or settings.serve_max_request_bytes
+    if not _serve_http(ranks, host, port, served_model_name, max_request_bytes, api_key, uvicorn_log_level):
+        raise typer.Exit(code=1)
+
+
+@dataclass
+class StartedRanks:
+    """The engine of rank 0 (the only one for TP 1) and, with TP, the other ranks' processes."""
+
+    path: Path
+    engine: Engine
+    loaded: LoadedModel
+    followers: list[SpawnProcess] = field(default_factory=list)
+    rendezvous: Path = field(default_factory=Path)
+
+
+def _start_ranks(
+    path: Path,
+    world_size: int,
+    device: str | None,
+    kv_cache_dtype: str,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    num_threads: int,
+) -> StartedRanks:
+    """Load the artifact in this process (rank 0) and, with TP, start and load the other ranks."""
+    from runtime.distributed import private_rendezvous
+    from runtime.engine import Engine
+    from runtime.loader import LoadError, load_model
+    from runtime.tp_serving import LeaderEngine, RankSpec, load_rank, start_followers, stop_followers
+
+    if world_size == 1:
+        loaded = load_model(path, device=device, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
+        started = StartedRanks(
+            path, Engine(loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len), loaded
+        )
+    else:
+        rendezvous = private_rendezvous()
+        spec = RankSpec(
+            artifact=str(path), world_size=world_size, rendezvous=str(rendezvous), device=device,
+            kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            num_threads=num_threads,
+        )  # fmt: skip
+        log.info("starting %d tensor-parallel ranks for %s", world_size, path)
+        followers = start_followers(spec)
+        leader, errors = load_rank(spec, 0, LeaderEngine)
+        if leader is None:
+            stop_followers(None, followers, rendezvous)
+            raise LoadError("; ".join(errors))
+        started = StartedRanks(path, leader, leader.loaded, followers, rendezvous)
+    if started.loaded.tokenizer is None:
+        raise LoadError(f"{path}: the artifact has no tokenizer; re-convert its checkpoint")
+    return started
+
+
+def _serve_http(
+    ranks: StartedRanks,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    max_request_bytes: int,
+    api_key: str | None,
+    uvicorn_log_level: str,
+) -> bool:
+    """The OpenAI server over rank 0's engine until it stops; False when it did not start or a rank
+    died (the requests in flight then fail and the server stops)."""
+    import uvicorn
+
+    from runtime.engine import AsyncEngine
+    from runtime.openai import build_app
+    from runtime.tp_serving import LeaderEngine, stop_followers, watch_followers
+
+    loaded, followers = ranks.loaded, ranks.followers
     artifact_id = loaded.manifest.artifact_id
     name = served_model_name or artifact_id
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(ranks.engine)
     app = build_app(
-        async_engine,
-        name,
-        loaded.tokenizer,
-        root=artifact_id,
-        max_request_bytes=max_request_bytes or settings.serve_max_request_bytes,
-        api_key=api_key or (settings.api_key.get_secret_value() if settings.api_key else None),
+        async_engine, name, loaded.tokenizer, root=artifact_id, max_request_bytes=max_request_bytes,
+        api_key=api_key,
+    )  # fmt: skip
+    log.info(
+        "serving %s (%s) on http://%s:%d, loaded in %.2f s", name, ranks.path, host, port, loaded.load_seconds
     )
-    log.info("serving %s (%s) on http://%s:%d, loaded in %.2f s", name, path, host, port, loaded.load_seconds)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
     lost_rank: list[str] = []
     if followers:
@@ -227,10 +262,9 @@ def serve(
         started = run_beside_engine(server, async_engine)
     finally:
         if followers:
-            assert isinstance(engine, LeaderEngine)
-            stop_followers(engine if not lost_rank else None, followers, rendezvous)
-    if not started or lost_rank:
-        raise typer.Exit(code=1)
+            assert isinstance(ranks.engine, LeaderEngine)
+            stop_followers(ranks.engine if not lost_rank else None, followers, ranks.rendezvous)
+    return started and not lost_rank
 
 
 def tp_size(path: Path, tp: int | None) -> int:
