@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,6 +26,9 @@ from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
 from services.convert.spec import FP8_SCHEMES, METHODS, ConversionSpec, conversion_spec
+
+if TYPE_CHECKING:
+    from services.convert.pipeline import ConversionResult
 
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -186,21 +189,25 @@ def convert_cmd(
         _fail(e)
         return
     if as_json:
-        payload = [
-            {
-                "artifact_id": r.artifact_id,
-                "target": r.target,
-                "tp": r.tp,
-                "uri": r.uri,
-                "reused": r.reused,
-                "verification": r.manifest.verification.model_dump(),
-                "layers": {n: e.kernel for n, e in r.manifest.layers.items()},
-                "files": [f.model_dump() for f in r.manifest.files],
-            }
-            for r in results
-        ]
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-        return
+        sys.stdout.write(json.dumps([_result_json(r) for r in results], indent=2) + "\n")
+    else:
+        out.print(_results_table(results))
+
+
+def _result_json(r: ConversionResult) -> dict[str, Any]:
+    return {
+        "artifact_id": r.artifact_id,
+        "target": r.target,
+        "tp": r.tp,
+        "uri": r.uri,
+        "reused": r.reused,
+        "verification": r.manifest.verification.model_dump(),
+        "layers": {n: e.kernel for n, e in r.manifest.layers.items()},
+        "files": [f.model_dump() for f in r.manifest.files],
+    }
+
+
+def _results_table(results: list[ConversionResult]) -> Table:
     table = Table(title="Kiln artifacts")
     for col in ("target", "tp", "artifact id", "kernels", "verified", "size", "where"):
         table.add_column(col, no_wrap=col in ("artifact id", "size"), overflow="fold")
@@ -221,7 +228,7 @@ def convert_cmd(
             f"{size / 1e6:.1f} MB",
             r.uri,
         )
-    out.print(table)
+    return table
 
 
 def register(app: typer.Typer) -> None:
