@@ -421,7 +421,7 @@ def compile_kernel(
 def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
     """(label, arch, fn, signature, constexprs, config) for every kernel variant and M bucket."""
     from kernels import fp8_marlin, fp8_w8a8, fp8_w8a16, gptq_wna16, int8_w8a8, marlin_wna16
-    from kernels.triton_utils import GemmConfig, cuda_block_config, fit_to_groups, largest_block_dividing
+    from kernels.launch import GemmConfig, cuda_block_config, fit_to_groups, largest_block_dividing
 
     act = "bf16"
     ptrs = {"X": f"*{act}", "QW": "*i32", "S": f"*{act}"}
@@ -601,8 +601,9 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
 def moe_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
     """The fused MoE kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16) with the configs
     `moe_config` picks per rows-per-expert bucket; routing-weight epilogue on (the w2 launch)."""
-    from kernels import fp8_moe, marlin_moe
-    from kernels.triton_utils import cuda_block_config, fit_to_groups, largest_block_dividing
+    from kernels.launch import cuda_block_config, fit_to_groups, largest_block_dividing
+    from kernels.moe import fp8 as fp8_moe
+    from kernels.moe import marlin as marlin_moe
 
     act = "bf16"
     routing = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "TOPK_W": "*fp32", "Y": f"*{act}"}

@@ -14,7 +14,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -235,6 +235,7 @@ def check_stored(
         )
 
 
+QuantizedWeight = TypeVar("QuantizedWeight", IntWeight, Fp8Weight)
 SCHEME_WORDS = {"int": "integer", "fp8": "fp8", "dense": "unquantized"}
 
 # Every float activation dtype a host may run: the CPU paths cast to what their ops take and return
@@ -290,6 +291,35 @@ class LinearKernel(ABC):
             kinds = " / ".join(SCHEME_WORDS.get(s, s) for s in sorted(self.schemes))
             return False, f"{self.name} takes {kinds} weights only, not scheme {spec.scheme!r}"
         return self.supports(spec, target)
+
+    def prepare_input(
+        self, weight: SourceWeight, kind: type[QuantizedWeight], spec: LinearSpec, *, group_map: bool = False
+    ) -> QuantizedWeight:
+        """The input checks of `prepare`: `weight` is the `kind` this kernel prepares, of the (N, K)
+        and bits the spec says, FP8 in e4m3fn; with `group_map` (the GPU int layouts) also as symmetric
+        as the spec and without a g_idx unless act-order (or the trivial map); else a LayoutError."""
+        if not isinstance(weight, kind):
+            raise LayoutError(
+                f"{spec.name}: {self.name} prepares {kind.__name__}, got {type(weight).__name__}"
+            )
+        shape = tuple((weight.codes if isinstance(weight, IntWeight) else weight.weight).shape)
+        if shape != (spec.n, spec.k):
+            raise LayoutError(f"{spec.name}: weight is {shape}, spec says (N, K) = {(spec.n, spec.k)}")
+        if isinstance(weight, Fp8Weight):
+            if weight.weight.dtype != torch.float8_e4m3fn:
+                raise LayoutError(
+                    f"{spec.name}: {self.name} takes float8_e4m3fn weights, got {weight.weight.dtype}"
+                )
+            return weight
+        if weight.bits != spec.bits:
+            raise LayoutError(f"{spec.name}: weight has {weight.bits} bits, spec says {spec.bits}")
+        if group_map and weight.symmetric != spec.symmetric:
+            raise LayoutError(f"{spec.name}: weight symmetric={weight.symmetric}, spec says {spec.symmetric}")
+        if group_map and weight.g_idx is not None and not spec.act_order:
+            groups = torch.arange(spec.k) // (spec.k if spec.group_size in (-1, 0) else spec.group_size)
+            if not torch.equal(weight.group_index(), groups):
+                raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
+        return weight
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         """Shape / dtype limits of a layer of one of `schemes` on one of `targets`."""

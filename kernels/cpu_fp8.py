@@ -40,7 +40,6 @@ from collections.abc import Callable
 import torch
 
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
-from kernels.errors import LayoutError
 
 
 def widened_dtype(spec: LinearSpec) -> torch.dtype:
@@ -73,20 +72,7 @@ class CpuFp8Kernel(LinearKernel):
         return with_bias(out, spec, torch.float32)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, Fp8Weight):
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} needs an Fp8Weight, got {type(weight).__name__}"
-            )
-        n, k = spec.n, spec.k
-        if tuple(weight.weight.shape) != (n, k):
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} weight has shape {tuple(weight.weight.shape)}, "
-                f"spec says (N, K) = ({n}, {k})"
-            )
-        if weight.weight.dtype != torch.float8_e4m3fn:
-            raise LayoutError(
-                f"{self.name}: layer {spec.name} weight is {weight.weight.dtype}, expected e4m3fn"
-            )
+        weight = self.prepare_input(weight, Fp8Weight, spec)
         if weight.strategy == "block":
             tensors = {"weight": weight.dequantize().contiguous()}  # (N, K) fp32
         else:

@@ -126,21 +126,6 @@ def stored_pack_format(tensors: dict[str, torch.Tensor]) -> tuple[int, bool]:
     return int(block_n), bool(split)
 
 
-def _check_int(weight: SourceWeight, spec: LinearSpec, name: str) -> IntWeight:
-    if not isinstance(weight, IntWeight):
-        raise LayoutError(f"{name}: layer {spec.name} needs an IntWeight, got {type(weight).__name__}")
-    if tuple(weight.codes.shape) != (spec.n, spec.k):
-        raise LayoutError(
-            f"{name}: layer {spec.name} codes have shape {tuple(weight.codes.shape)}, spec says (N, K) = "
-            f"({spec.n}, {spec.k})"
-        )
-    if weight.bits != spec.bits:
-        raise LayoutError(f"{name}: layer {spec.name} weight has {weight.bits} bits, spec says {spec.bits}")
-    if weight.codes.numel() and int(weight.codes.max()) >= 1 << weight.bits:
-        raise LayoutError(f"{name}: layer {spec.name} has codes >= {1 << weight.bits} for {weight.bits} bits")
-    return weight
-
-
 def act_order_permutation(weight: IntWeight, spec: LinearSpec, name: str) -> torch.Tensor | None:
     """(K,) int64 stable argsort of g_idx when it is not k // group_size, else None.
 
@@ -218,7 +203,9 @@ class CpuInt4Kernel(LinearKernel):
         return super().neutral_tensor(suffix, spec)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        w = _check_int(weight, spec, self.name)
+        w = self.prepare_input(weight, IntWeight, spec)
+        if w.codes.numel() and int(w.codes.max()) >= 1 << w.bits:
+            raise LayoutError(f"{self.name}: layer {spec.name} has codes >= {1 << w.bits} for {w.bits} bits")
         n, k = spec.n, spec.k
         op_group = op_group_size(k, w.group_size)
         if op_group is None or n % N_MULTIPLE:

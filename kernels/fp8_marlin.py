@@ -27,6 +27,10 @@ import torch
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
+from kernels.fp8_tiles import fp8_tiles
+from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
+from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
     MARLIN_SUPPORTED_GROUP_SIZES,
     check_marlin_shape,
@@ -35,18 +39,8 @@ from kernels.marlin_layout import (
     marlin_unpermute_scales,
     marlin_unrepack,
 )
+from kernels.marlin_tiles import marlin_tiles
 from kernels.targets import gpu_targets
-from kernels.triton_utils import (
-    GemmConfig,
-    GemmLaunch,
-    act_dtype_reason,
-    default_config,
-    empty_rows,
-    fit_to_groups,
-    gemm_rows,
-    runs_triton,
-    with_epilogue,
-)
 
 EXPONENT_BIAS = {torch.float16: 8, torch.bfloat16: 120}  # 2^(e-1) - 2^3, e = exponent bits of act dtype
 
@@ -86,11 +80,8 @@ class Fp8MarlinKernel(LinearKernel):
         return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, Fp8Weight):
-            raise LayoutError(f"{spec.name}: fp8_marlin prepares Fp8Weight, got {type(weight).__name__}")
+        weight = self.prepare_input(weight, Fp8Weight, spec)
         n, k = spec.n, spec.k
-        if tuple(weight.weight.shape) != (n, k):
-            raise LayoutError(f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(n, k)}")
         act = spec.torch_act_dtype
         codes = weight.weight.contiguous().view(torch.uint8)  # (N, K) raw e4m3 bytes
         q_std = pack_rows(codes.T, 8)  # (K // 4, N) int32 == vLLM's pack_fp8_to_int32 + transpose
@@ -151,6 +142,48 @@ def _marlin_scales(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
     return s.T.repeat_interleave(bn, dim=1)[:, :n].contiguous()  # (K / bk, N)
 
 
+@cache
+def _kernel() -> Any:
+    _, tl = import_triton()
+    gemm_program, store_tile = gemm_tiles()
+    x_tile = operand_tiles()[0]
+    e4m3_to_f32 = fp8_tiles()[0]
+    marlin_n_terms, marlin_codes, _ = marlin_tiles()
+
+    def fp8_marlin_kernel(
+        X, QW, S, BIAS, Y,
+        M, N, K, group_size, unbias,
+        GROUPED_SCALES: tl.constexpr, PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        act = X.dtype.element_ty
+        col_n, shift_n, s_col, _, _ = marlin_n_terms(offs_n, 8, GROUPED_SCALES)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            v = e4m3_to_f32(marlin_codes(QW, offs_k, mask_kn, col_n, shift_n, N, 8))  # e4m3 bit patterns
+            if PER_BLOCK_SCALE:
+                g = (it * BLOCK_K) // group_size
+                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
+                w = v * s[None, :]
+            else:
+                g = offs_k // group_size
+                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+                w = v * (s * unbias)
+            if not BF16_INTERP:
+                w = w.to(act)
+            acc += tl.dot(x, w)
+
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(fp8_marlin_kernel)
+
+
 def fp8_marlin_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
@@ -166,79 +199,10 @@ def fp8_marlin_gemm(
         return empty_rows(x, n)
     group = k if _group_size(spec) == -1 else _group_size(spec)
     cfg, per_block_scale = fit_to_groups(config or default_config(m, n, k, x.device), group, act_order=False)
-    bias = tensors.get("bias")
-    run = GemmLaunch.plan(x, m, n, cfg)
-    _kernel()[run.grid](
-        x2, tensors["qweight"], scales, bias if bias is not None else scales, run.y,
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _kernel(),
+        x2, tensors["qweight"], scales, run.bias_or(scales), run.y,
         m, n, k, group, 2.0 ** -EXPONENT_BIAS[x.dtype],
-        GROUPED_SCALES=group < k, PER_BLOCK_SCALE=per_block_scale, HAS_BIAS=bias is not None,
-        **run.meta(),
+        GROUPED_SCALES=group < k, PER_BLOCK_SCALE=per_block_scale,
     )  # fmt: skip
-    return run.result()
-
-
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
-tile_offsets: Any = None
-k_range: Any = None
-store_tile: Any = None
-
-
-@cache
-def _kernel() -> Any:
-    triton, tl = with_epilogue(globals())
-
-    @triton.jit
-    def fp8_marlin_kernel(
-        X, QW, S, BIAS, Y,
-        M, N, K, group_size, unbias,
-        GROUPED_SCALES: tl.constexpr, PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        BF16_INTERP: tl.constexpr,
-    ):  # fmt: skip
-        ROW_WORDS = N * 4  # int32 words per 16-row k-tile (8-bit)
-        pid_k = tl.program_id(1)
-        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        act = X.dtype.element_ty
-        col_n = 256 * (offs_n // 64) + 32 * (offs_n % 8) + 2 * ((offs_n % 64) // 16) + (offs_n % 16) // 8
-        if GROUPED_SCALES:
-            s_col = 64 * (offs_n // 64) + 8 * (offs_n % 8) + (offs_n % 64) // 8
-        else:
-            s_col = 32 * (offs_n // 32) + 8 * ((offs_n % 8) // 2) + 2 * ((offs_n % 32) // 8) + offs_n % 2
-
-        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(k_begin, k_end):
-            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(
-                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-            )
-            if BF16_INTERP:
-                x = x.to(tl.float32)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            col_k = 8 * ((offs_k % 8) // 2)
-            shift_k = 8 * ((offs_k % 16) // 8 + 2 * (offs_k % 2))
-            words = tl.load(
-                QW + (offs_k // 16 * ROW_WORDS + col_k)[:, None] + col_n[None, :], mask=mask_kn, other=0
-            )
-            b = (words >> shift_k[:, None]) & 0xFF  # (BLOCK_K, BLOCK_N) e4m3 bit patterns
-            # exact e4m3 -> fp32: normals rebase the exponent (bias 7 -> 127), subnormals m * 2^-9
-            em = b & 0x7F
-            normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            mag = tl.where(em < 8, (em & 7).to(tl.float32) * 0.001953125, normal)
-            v = tl.where((b & 0x80) != 0, -mag, mag)
-            if PER_BLOCK_SCALE:
-                g = (it * BLOCK_K) // group_size
-                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
-                w = v * s[None, :]
-            else:
-                g = offs_k // group_size
-                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-                w = v * (s * unbias)
-            if not BF16_INTERP:
-                w = w.to(act)
-            acc += tl.dot(x, w)
-
-        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
-
-    return fp8_marlin_kernel

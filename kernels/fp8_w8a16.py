@@ -26,18 +26,11 @@ import torch
 
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
+from kernels.fp8_tiles import fp8_tiles
+from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
+from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.launch import GemmConfig, default_config, largest_block_dividing
 from kernels.targets import GPU_TARGETS
-from kernels.triton_utils import (
-    GemmConfig,
-    GemmLaunch,
-    act_dtype_reason,
-    default_config,
-    empty_rows,
-    gemm_rows,
-    largest_block_dividing,
-    runs_triton,
-    with_epilogue,
-)
 
 MIN_BLOCK_K = 16  # the smallest K tile tl.dot takes; block widths bk must be multiples of it
 
@@ -85,16 +78,7 @@ class Fp8W8A16Kernel(LinearKernel):
         return with_bias(out, spec, spec.torch_act_dtype)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, Fp8Weight):
-            raise LayoutError(f"{spec.name}: fp8_w8a16 prepares Fp8Weight, got {type(weight).__name__}")
-        if tuple(weight.weight.shape) != (spec.n, spec.k):
-            raise LayoutError(
-                f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(spec.n, spec.k)}"
-            )
-        if weight.weight.dtype != torch.float8_e4m3fn:
-            raise LayoutError(
-                f"{spec.name}: fp8_w8a16 takes float8_e4m3fn weights, got {weight.weight.dtype}"
-            )
+        weight = self.prepare_input(weight, Fp8Weight, spec)
         out = {"weight": weight.weight.contiguous(), "weight_scale": _stored_scale(weight, spec)}
         if weight.bias is not None:
             out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()  # (N,)
@@ -149,6 +133,43 @@ def _stored_scale(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
     return s.contiguous()
 
 
+def fit_to_fp8_blocks(cfg: GemmConfig, spec: LinearSpec) -> tuple[GemmConfig, bool, tuple[int, int]]:
+    """(config, block scales?, (bn, bk)): with block scales BLOCK_K shrinks to divide the block width
+    bk, so each K tile reads one scale column; per-row scales read as one (1, K) block."""
+    block = spec.fp8_strategy == "block"
+    bn, bk = spec.block_size if block and spec.block_size else (1, spec.k)
+    if block:
+        cfg = replace(cfg, block_k=largest_block_dividing(bk, cfg.block_k))
+        if bk % cfg.block_k:
+            raise LayoutError(f"{spec.name}: no K tile divides the FP8 block width {bk}")
+    return cfg, block, (bn, bk)
+
+
+@cache
+def _kernel() -> Any:
+    _, tl = import_triton()
+    gemm_program, store_tile = gemm_tiles()
+    e4m3_gemm = fp8_tiles()[1]
+
+    def fp8_w8a16_kernel(
+        X, W, S, BIAS, Y,
+        M, N, K, block_n, block_k, k_blocks,
+        BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        acc = e4m3_gemm(
+            X, W, S, offs_m, mask_m, offs_n, mask_n, k_begin, k_end, K, block_n, block_k, k_blocks,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, BF16_INTERP,
+        )  # fmt: skip
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(fp8_w8a16_kernel)
+
+
 def fp8_w8a16_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
@@ -157,76 +178,12 @@ def fp8_w8a16_gemm(
     m, n, k = x2.shape[0], spec.n, spec.k
     if m == 0:
         return empty_rows(x, n)
-    cfg = config or default_config(m, n, k, x.device)
-    block = spec.fp8_strategy == "block"
-    bn, bk = spec.block_size if block and spec.block_size else (1, k)
-    if block:
-        cfg = replace(cfg, block_k=largest_block_dividing(bk, cfg.block_k))
-        if bk % cfg.block_k:
-            raise LayoutError(f"{spec.name}: no K tile divides the FP8 block width {bk}")
+    cfg, block, (bn, bk) = fit_to_fp8_blocks(config or default_config(m, n, k, x.device), spec)
     scale = tensors["weight_scale"]
-    bias = tensors.get("bias")
-    run = GemmLaunch.plan(x, m, n, cfg)
-    _kernel()[run.grid](
-        x2, tensors["weight"].view(torch.uint8), scale, bias if bias is not None else scale, run.y,
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _kernel(),
+        x2, tensors["weight"].view(torch.uint8), scale, run.bias_or(scale), run.y,
         m, n, k, bn, bk, -(-k // bk),
-        BLOCK_SCALES=block, HAS_BIAS=bias is not None, **run.meta(),
+        BLOCK_SCALES=block,
     )  # fmt: skip
-    return run.result()
-
-
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
-tile_offsets: Any = None
-k_range: Any = None
-store_tile: Any = None
-
-
-@cache
-def _kernel() -> Any:
-    triton, tl = with_epilogue(globals())
-
-    @triton.jit
-    def fp8_w8a16_kernel(
-        X, W, S, BIAS, Y,
-        M, N, K, block_n, block_k, k_blocks,
-        BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        BF16_INTERP: tl.constexpr,
-    ):  # fmt: skip
-        pid_k = tl.program_id(1)
-        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        act = X.dtype.element_ty
-        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(k_begin, k_end):
-            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(
-                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-            )
-            if BF16_INTERP:
-                x = x.to(tl.float32)
-            b = tl.load(
-                W + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0,
-            ).to(tl.int32)  # (BLOCK_K, BLOCK_N) e4m3 bit patterns of the K-major (N, K) weight
-            # exact e4m3 -> fp32: normals rebase the exponent (bias 7 -> 127), subnormals m * 2^-9
-            em = b & 0x7F
-            normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            mag = tl.where(em < 8, (em & 7).to(tl.float32) * 0.001953125, normal)
-            v = tl.where((b & 0x80) != 0, -mag, mag)
-            if not BF16_INTERP:
-                v = v.to(act)  # exact: every e4m3 value is an fp16 and a bf16 value
-            if BLOCK_SCALES:
-                kb = (it * BLOCK_K) // block_k  # BLOCK_K divides block_k: one scale column per tile
-                s = tl.load(S + (offs_n // block_n) * k_blocks + kb, mask=mask_n, other=0.0)
-                acc += tl.dot(x, v, out_dtype=tl.float32) * s[None, :]
-            else:
-                acc += tl.dot(x, v, out_dtype=tl.float32)
-        if not BLOCK_SCALES:
-            acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
-
-        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
-
-    return fp8_w8a16_kernel

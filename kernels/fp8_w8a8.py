@@ -36,19 +36,11 @@ from kernels.base import (
 )
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
+from kernels.fp8_tiles import fp8_tiles
+from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
+from kernels.jit import act_dtype_reason, import_triton, interpreter_enabled, jit, runs_triton
+from kernels.launch import GemmConfig, default_config
 from kernels.targets import gpu_targets
-from kernels.triton_utils import (
-    GemmConfig,
-    GemmLaunch,
-    act_dtype_reason,
-    default_config,
-    empty_rows,
-    gemm_rows,
-    import_triton,
-    interpreter_enabled,
-    runs_triton,
-    with_epilogue,
-)
 
 MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor for dynamic per-token quant
 FP8 = torch.float8_e4m3fn
@@ -86,12 +78,7 @@ class Fp8W8A8Kernel(LinearKernel):
         return with_bias(out, spec, spec.torch_act_dtype)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, Fp8Weight):
-            raise LayoutError(f"{spec.name}: fp8_w8a8 prepares Fp8Weight, got {type(weight).__name__}")
-        if tuple(weight.weight.shape) != (spec.n, spec.k):
-            raise LayoutError(
-                f"{spec.name}: weight is {tuple(weight.weight.shape)}, spec says {(spec.n, spec.k)}"
-            )
+        weight = self.prepare_input(weight, Fp8Weight, spec)
         if weight.strategy == "tensor":
             fused = weight.scale.numel() > 1
             w = requantize_to_max_scale(weight) if fused else weight
@@ -167,14 +154,13 @@ def token_scaled_gemm(
     xq, xs = quantize(x2)
     cfg = config or default_config(m, n, k, x.device, kind="fp8")
     ws = tensors["weight_scale"]
-    bias = tensors.get("bias")
-    run = GemmLaunch.plan(x, m, n, cfg)
-    _gemm_kernel()[run.grid](
-        xq, xs, tensors["weight"], ws, bias if bias is not None else ws, run.y,
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _gemm_kernel(),
+        xq, xs, tensors["weight"], ws, run.bias_or(ws), run.y,
         m, n, k,
-        PER_CHANNEL=ws.numel() > 1, HAS_BIAS=bias is not None, INT8=xq.dtype == torch.int8, **run.meta(),
+        PER_CHANNEL=ws.numel() > 1, INT8=xq.dtype == torch.int8,
     )  # fmt: skip
-    return run.result()
 
 
 def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
@@ -191,17 +177,10 @@ def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: Line
     return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
 
 
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
-tile_offsets: Any = None
-k_range: Any = None
-store_tile: Any = None
-
-
 @cache
 def _quant_kernel() -> Any:
-    triton, tl = import_triton()
+    _, tl = import_triton()
 
-    @triton.jit
     def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -228,14 +207,15 @@ def _quant_kernel() -> Any:
                 v = tl.where(tl.abs(v) < 0.015625, sub, normal)
             tl.store(Q + row * K + offs, v.to(Q.dtype.element_ty), mask=offs < K)
 
-    return fp8_per_token_quant_kernel
+    return jit(fp8_per_token_quant_kernel)
 
 
 @cache
 def _gemm_kernel() -> Any:
-    triton, tl = with_epilogue(globals())
+    _, tl = import_triton()
+    gemm_program, store_tile = gemm_tiles()
+    token_scaled = fp8_tiles()[2]
 
-    @triton.jit
     def token_scaled_gemm_kernel(
         XQ, XS, W, WS, BIAS, Y,
         M, N, K,
@@ -243,30 +223,13 @@ def _gemm_kernel() -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        pid_k = tl.program_id(1)
-        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        if INT8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |127 * 128| * K < 2^31
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(k_begin, k_end):
-            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(
-                XQ + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-            )
-            b = tl.load(
-                W + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
-            )  # (BLOCK_K, BLOCK_N) view of the K-major (N, K) weight
-            acc += tl.dot(a, b)
-        acc = acc.to(tl.float32)
-        xs = tl.load(XS + offs_m, mask=mask_m, other=0.0)
-        if PER_CHANNEL:
-            ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
-            acc = acc * xs[:, None] * ws[None, :]
-        else:
-            acc = acc * xs[:, None] * tl.load(WS)
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        acc = token_scaled(
+            XQ, XS, W, WS, offs_m, mask_m, offs_n, mask_n, k_begin, k_end, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, INT8,
+        )  # fmt: skip
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
-    return token_scaled_gemm_kernel
+    return jit(token_scaled_gemm_kernel)

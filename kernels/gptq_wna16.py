@@ -23,19 +23,10 @@ import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
-from kernels.errors import LayoutError
+from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
+from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.targets import GPU_TARGETS
-from kernels.triton_utils import (
-    GemmConfig,
-    GemmLaunch,
-    act_dtype_reason,
-    default_config,
-    empty_rows,
-    fit_to_groups,
-    gemm_rows,
-    runs_triton,
-    with_epilogue,
-)
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -85,9 +76,7 @@ class GptqWNA16Kernel(LinearKernel):
         return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, IntWeight):
-            raise LayoutError(f"{spec.name}: gptq_wna16 prepares IntWeight, got {type(weight).__name__}")
-        _check_weight(weight, spec)
+        weight = self.prepare_input(weight, IntWeight, spec, group_map=True)
         act = spec.torch_act_dtype
         out: dict[str, torch.Tensor] = {
             "qweight": pack_rows(weight.codes.T, spec.bits),  # (K // pf, N) int32
@@ -119,23 +108,42 @@ class GptqWNA16Kernel(LinearKernel):
         return gptq_wna16_gemm(x, tensors, spec)
 
 
-def _check_weight(weight: IntWeight, spec: LinearSpec) -> None:
-    n, k = weight.codes.shape
-    if (n, k) != (spec.n, spec.k):
-        raise LayoutError(f"{spec.name}: codes are {(n, k)}, spec says (N, K) = {(spec.n, spec.k)}")
-    if weight.bits != spec.bits:
-        raise LayoutError(f"{spec.name}: weight has {weight.bits} bits, spec says {spec.bits}")
-    if weight.symmetric != spec.symmetric:
-        raise LayoutError(f"{spec.name}: weight symmetric={weight.symmetric}, spec says {spec.symmetric}")
-    if weight.g_idx is not None and not spec.act_order:
-        trivial = weight.group_index()
-        expected = (
-            torch.zeros(k, dtype=torch.long)
-            if spec.group_size in (-1, 0)
-            else torch.arange(k) // spec.group_size
+@cache
+def _kernel() -> Any:
+    _, tl = import_triton()
+    gemm_program, store_tile = gemm_tiles()
+    x_tile = operand_tiles()[0]
+    grouped_dot = grouped_dot_tile()
+
+    def gptq_wna16_kernel(
+        X, QW, S, QZ, GIDX, BIAS, Y,
+        M, N, K, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
+        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        PF: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
-        if not torch.equal(trivial, expected):
-            raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
+        zp_col = offs_n // PF
+        zp_shift = (offs_n % PF) * BITS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
+            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
+            acc = grouped_dot(
+                acc, x, q, S, QZ, GIDX, it, offs_k, mask_k, mask_n, offs_n, zp_col, zp_shift, N // PF, N,
+                group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
+            )  # fmt: skip
+
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(gptq_wna16_kernel)
 
 
 def gptq_wna16_gemm(
@@ -154,86 +162,11 @@ def gptq_wna16_gemm(
     scales = tensors["scales"]
     qzeros = tensors.get("qzeros", scales)  # placeholder pointer when symmetric
     g_idx = tensors.get("g_idx", scales)
-    bias = tensors.get("bias")
-    run = GemmLaunch.plan(x, m, n, cfg)
-    _kernel()[run.grid](
-        x2, tensors["qweight"], scales, qzeros, g_idx, bias if bias is not None else scales, run.y,
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _kernel(),
+        x2, tensors["qweight"], scales, qzeros, g_idx, run.bias_or(scales), run.y,
         m, n, k, group,
         BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=act_order,
-        PER_BLOCK_SCALE=per_block_scale, HAS_BIAS=bias is not None, **run.meta(),
+        PER_BLOCK_SCALE=per_block_scale,
     )  # fmt: skip
-    return run.result()
-
-
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_epilogue() when a kernel is built.
-tile_offsets: Any = None
-k_range: Any = None
-store_tile: Any = None
-
-
-@cache
-def _kernel() -> Any:
-    triton, tl = with_epilogue(globals())
-
-    @triton.jit
-    def gptq_wna16_kernel(
-        X, QW, S, QZ, GIDX, BIAS, Y,
-        M, N, K, group_size,
-        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
-        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        BF16_INTERP: tl.constexpr,
-    ):  # fmt: skip
-        PF: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
-        pid_k = tl.program_id(1)
-        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        act = X.dtype.element_ty
-
-        if HAS_ZP:
-            zp_col = offs_n // PF
-            zp_shift = (offs_n % PF) * BITS
-        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(k_begin, k_end):
-            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(
-                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-            )
-            if BF16_INTERP:
-                x = x.to(tl.float32)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
-            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
-            if PER_BLOCK_SCALE:
-                g = (it * BLOCK_K) // group_size
-                s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                if HAS_ZP:
-                    zw = tl.load(QZ + g * (N // PF) + zp_col, mask=mask_n, other=0)
-                    z = (zw >> zp_shift) & MASK
-                    w = (q - z[None, :]).to(tl.float32)
-                else:
-                    w = (q - (1 << (BITS - 1))).to(tl.float32)
-                if not BF16_INTERP:
-                    w = w.to(act)  # integers below 256: exact in bf16/fp16
-                acc += tl.dot(x, w) * s[None, :]
-            else:
-                if ACT_ORDER:
-                    g = tl.load(GIDX + offs_k, mask=mask_k, other=0)
-                else:
-                    g = offs_k // group_size
-                s = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-                if HAS_ZP:
-                    zw = tl.load(QZ + g[:, None] * (N // PF) + zp_col[None, :], mask=mask_kn, other=0)
-                    z = (zw >> zp_shift[None, :]) & MASK
-                    w = (q - z).to(tl.float32) * s
-                else:
-                    w = (q - (1 << (BITS - 1))).to(tl.float32) * s
-                if not BF16_INTERP:
-                    w = w.to(act)
-                acc += tl.dot(x, w)
-
-        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
-
-    return gptq_wna16_kernel

@@ -41,8 +41,8 @@ from kernels.codecs.int8 import (
     symmetric_channelwise_int8,
 )
 from kernels.fp8_w8a8 import token_scaled_gemm
+from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
 from kernels.targets import gpu_targets
-from kernels.triton_utils import act_dtype_reason, import_triton, runs_triton
 
 ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer, half to even
 
@@ -112,9 +112,8 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @cache
 def _quant_kernel() -> Any:
-    triton, tl = import_triton()
+    _, tl = import_triton()
 
-    @triton.jit
     def int8_per_token_quant_kernel(X, Q, S, K, min_amax, divisor, qmax, magic, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -132,4 +131,4 @@ def _quant_kernel() -> Any:
             v = tl.minimum(tl.maximum(v, -128.0), qmax)
             tl.store(Q + row * K + offs, v.to(tl.int8), mask=offs < K)
 
-    return int8_per_token_quant_kernel
+    return jit(int8_per_token_quant_kernel)

@@ -31,7 +31,9 @@ import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
-from kernels.errors import LayoutError
+from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
+from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
     check_marlin_shape,
     marlin_permute_scales,
@@ -42,19 +44,8 @@ from kernels.marlin_layout import (
     marlin_zero_points,
     sort_g_idx,
 )
+from kernels.marlin_tiles import marlin_tiles
 from kernels.targets import gpu_targets
-from kernels.triton_utils import (
-    GemmConfig,
-    GemmLaunch,
-    act_dtype_reason,
-    default_config,
-    empty_rows,
-    fit_to_groups,
-    gemm_rows,
-    marlin_helpers,
-    runs_triton,
-    with_helpers,
-)
 
 
 class MarlinWNA16Kernel(LinearKernel):
@@ -92,9 +83,7 @@ class MarlinWNA16Kernel(LinearKernel):
         return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
-        if not isinstance(weight, IntWeight):
-            raise LayoutError(f"{spec.name}: marlin_wna16 prepares IntWeight, got {type(weight).__name__}")
-        _check_weight(weight, spec)
+        weight = self.prepare_input(weight, IntWeight, spec, group_map=True)
         act = spec.torch_act_dtype
         q_std = pack_rows(weight.codes.T, spec.bits)  # (K // pf, N) int32, GPTQ standard packing
         out: dict[str, torch.Tensor] = {}
@@ -142,27 +131,42 @@ class MarlinWNA16Kernel(LinearKernel):
         return marlin_wna16_gemm(x, tensors, spec)
 
 
-def _check_weight(weight: IntWeight, spec: LinearSpec) -> None:
-    if tuple(weight.codes.shape) != (spec.n, spec.k):
-        raise LayoutError(f"{spec.name}: codes are {tuple(weight.codes.shape)}, spec says {(spec.n, spec.k)}")
-    if weight.bits != spec.bits or weight.symmetric != spec.symmetric:
-        raise LayoutError(
-            f"{spec.name}: weight is {weight.bits}-bit symmetric={weight.symmetric}, "
-            f"spec says {spec.bits}-bit symmetric={spec.symmetric}"
-        )
-    if weight.g_idx is not None and not spec.act_order:
-        expected = (
-            torch.zeros(spec.k, dtype=torch.long)
-            if spec.group_size in (-1, 0)
-            else torch.arange(spec.k) // spec.group_size
-        )
-        if not torch.equal(weight.group_index(), expected):
-            raise LayoutError(f"{spec.name}: weight has an act-order g_idx but spec.act_order is False")
-
-
 def grouped_scales(spec: LinearSpec) -> bool:
     """marlin_permute_scales used the 64-column perm (else the 32-column single perm)."""
     return spec.group_size not in (-1, 0) and spec.group_size < spec.k
+
+
+@cache
+def _kernel() -> Any:
+    _, tl = import_triton()
+    gemm_program, store_tile = gemm_tiles()
+    x_tile = operand_tiles()[0]
+    marlin_n_terms, _, marlin_dot = marlin_tiles()
+
+    def marlin_wna16_kernel(
+        X, QW, S, ZP, GIDX, BIAS, Y,
+        M, N, K, group_size,
+        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr, GROUPED_SCALES: tl.constexpr,
+        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        # n-only parts of the Marlin word column and field shift (module docstring), once per tile
+        col_n, shift_n, s_col, zp_col, zp_shift = marlin_n_terms(offs_n, BITS, GROUPED_SCALES)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
+            acc = marlin_dot(
+                acc, x, QW, S, ZP, GIDX, it, offs_k, mask_k, mask_n, col_n, shift_n, s_col, zp_col, zp_shift,
+                N, group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
+            )  # fmt: skip
+
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(marlin_wna16_kernel)
 
 
 def marlin_wna16_gemm(
@@ -182,59 +186,12 @@ def marlin_wna16_gemm(
         config or default_config(m, n, k, x.device), group, act_order=act_order
     )
     scales = tensors["scales"]
-    bias = tensors.get("bias")
-    run = GemmLaunch.plan(x, m, n, cfg)
-    _kernel()[run.grid](
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _kernel(),
         x2, tensors["qweight"], scales, tensors.get("zeros", scales), tensors.get("g_idx", scales),
-        bias if bias is not None else scales, run.y,
+        run.bias_or(scales), run.y,
         m, n, k, group,
         BITS=spec.bits, HAS_ZP="zeros" in tensors, ACT_ORDER=act_order,
         GROUPED_SCALES=grouped_scales(spec), PER_BLOCK_SCALE=per_block_scale,
-        HAS_BIAS=bias is not None, **run.meta(),
     )  # fmt: skip
-    return run.result()
-
-
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_helpers() when a kernel is built.
-tile_offsets: Any = None
-k_range: Any = None
-store_tile: Any = None
-marlin_n_terms: Any = None
-marlin_dot: Any = None
-
-
-@cache
-def _kernel() -> Any:
-    triton, tl = with_helpers(globals(), marlin_helpers())
-
-    @triton.jit
-    def marlin_wna16_kernel(
-        X, QW, S, ZP, GIDX, BIAS, Y,
-        M, N, K, group_size,
-        BITS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr, GROUPED_SCALES: tl.constexpr,
-        PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        BF16_INTERP: tl.constexpr,
-    ):  # fmt: skip
-        pid_k = tl.program_id(1)
-        offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
-        # n-only parts of the Marlin word column and field shift (module docstring), once per tile
-        col_n, shift_n, s_col, zp_col, zp_shift = marlin_n_terms(offs_n, BITS, GROUPED_SCALES)
-        k_begin, k_end = k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for it in range(k_begin, k_end):
-            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(
-                X + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-            )
-            if BF16_INTERP:
-                x = x.to(tl.float32)
-            acc = marlin_dot(
-                acc, x, QW, S, ZP, GIDX, it, offs_k, mask_k, mask_n, col_n, shift_n, s_col, zp_col, zp_shift,
-                N, group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
-            )  # fmt: skip
-
-        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
-
-    return marlin_wna16_kernel

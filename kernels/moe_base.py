@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -164,10 +164,7 @@ class MoEKernel(ABC):
         out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
         xf = x.float()
         b13, b2 = tensors.get(f"{W13}.bias"), tensors.get(f"{W2}.bias")
-        for e in range(spec.num_experts):
-            token, slot = torch.nonzero(topk_ids == spec.first_expert + e, as_tuple=True)
-            if token.numel() == 0:
-                continue
+        for e, token, slot in routed_experts(topk_ids, spec):
             w13, w2 = self.dequantize_expert(tensors, spec, e)
             h = xf[token] @ w13.T
             if b13 is not None:
@@ -177,6 +174,14 @@ class MoEKernel(ABC):
                 y = y + b2[e].float()
             out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
         return out.to(x.dtype)
+
+
+def routed_experts(topk_ids: torch.Tensor, spec: MoESpec) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(local expert, tokens routed to it, their top-k choice index) for every local expert with tokens."""
+    for e in range(spec.num_experts):
+        token, slot = torch.nonzero(topk_ids == spec.first_expert + e, as_tuple=True)
+        if token.numel():
+            yield e, token, slot
 
 
 def expert_slices(tensors: dict[str, torch.Tensor], prefix: str, expert: int) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 
 from kernels.base import KernelChoice, LinearKernel, LinearSpec, Target
 from kernels.errors import KilnError, NoKernelError
-from kernels.experts import stacked_experts
+from kernels.moe.stacked import stacked_experts
 from kernels.moe_base import MoEKernel, MoEKernelChoice, MoESpec
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,9 @@ def _instantiate_moe(obj: object, where: str) -> MoEKernel:
 # Expert-group kernels fused into one launch per layer ("module:Class"), most preferred first; they
 # go ahead of the derived per-expert kernels (`<linear kernel>_experts`, one per entry of KERNELS).
 FUSED_MOE_KERNELS: tuple[str, ...] = (
-    "kernels.fp8_moe:Fp8MoEW8A8Kernel",
-    "kernels.marlin_moe:MarlinMoEKernel",
-    "kernels.fp8_moe:Fp8MoEW8A16Kernel",
+    "kernels.moe.fp8:Fp8MoEW8A8Kernel",
+    "kernels.moe.marlin:MarlinMoEKernel",
+    "kernels.moe.fp8:Fp8MoEW8A16Kernel",
 )
 MOE_KERNELS: dict[str, MoEKernel] = {
     k.name: k

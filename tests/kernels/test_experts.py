@@ -14,7 +14,7 @@ import torch
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, ShardSpec, SourceWeight, Target
 from kernels.codecs.fp8 import quantize_fp8
-from kernels.experts import StackedExperts, stacked_experts
+from kernels.moe.stacked import StackedExperts, stacked_experts
 from kernels.moe_base import MoEKernel, MoESpec, expert_slices
 from kernels.registry import BUILTIN_KERNELS, MOE_KERNELS
 from tests.helpers.numerics import rel_err

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import triton_utils
+from kernels import launch
 from kernels.base import LinearSpec, Target
 from kernels.errors import LayoutError
 from kernels.fp8_w8a16 import Fp8W8A16Kernel, fp8_w8a16_gemm
@@ -96,7 +96,7 @@ def test_no_bias_split_k_and_batched_input() -> None:
     x = torch.randn(2, 3, spec.k).to(dtype)
     ref = KERNEL.reference(x, tensors, spec)
     # BLOCK_K is shrunk from 64 to 16 to divide bk = 48; split-K accumulates in fp32 atomically
-    cfg = triton_utils.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
+    cfg = launch.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
     y = fp8_w8a16_gemm(x, tensors, spec, cfg)
     assert y.shape == (2, 3, spec.n) and y.dtype == dtype
     assert rel_err(y, ref) < APPLY_REL_TOL[dtype]

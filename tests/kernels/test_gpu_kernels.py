@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import fp8_w8a8, triton_utils
+from kernels import fp8_w8a8, jit, launch
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
 from tests.helpers.numerics import rel_err
@@ -271,7 +271,7 @@ def test_split_k_and_batched_input() -> None:
     def int8_gemm(x: torch.Tensor, tensors: dict, spec: LinearSpec, cfg: Any) -> torch.Tensor:
         return fp8_w8a8.token_scaled_gemm(x, int8_quantize, tensors, spec, cfg, kernel="int8_w8a8")
 
-    cfg = triton_utils.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
+    cfg = launch.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=2)
     dtype = torch.float16
     for name, case, fn in (
         ("gptq_wna16", GPTQ_CASES[1], gptq_wna16_gemm),
@@ -291,7 +291,7 @@ def test_apply_falls_back_to_reference_without_interpreter(monkeypatch: pytest.M
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     k, tensors, spec, _ = prepared("gptq_wna16", GPTQ_CASES[0], torch.bfloat16)
     x = torch.randn(3, spec.k).to(torch.bfloat16)
-    assert not triton_utils.runs_triton(x)
+    assert not jit.runs_triton(x)
     assert torch.equal(k.apply(x, tensors, spec), k.reference(x, tensors, spec))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import triton_utils
+from kernels import jit, launch
 from kernels.registry import get_kernel
 from kernels.targets import Target
 from tests.helpers.numerics import rel_err
@@ -22,7 +22,7 @@ from tests.kernels.test_gpu_kernels import DTYPES, GEMM_REL_TOL, Fp8Case, IntCas
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        triton_utils.interpreter_enabled(),
+        jit.interpreter_enabled(),
         reason="TRITON_INTERPRET=1 would run the kernels in the CPU interpreter; set TRITON_INTERPRET=0",
     ),
 ]
@@ -102,7 +102,7 @@ def test_explicit_configs_on_cuda(split_k: int) -> None:
     from kernels.gptq_wna16 import gptq_wna16_gemm
     from kernels.marlin_wna16 import marlin_wna16_gemm
 
-    cfg = triton_utils.GemmConfig(block_m=32, block_n=128, block_k=64, split_k=split_k, num_stages=2)
+    cfg = launch.GemmConfig(block_m=32, block_n=128, block_k=64, split_k=split_k, num_stages=2)
     dtype = torch.bfloat16
     for name, case, fn in (
         ("gptq_wna16", INT_CASES["gptq_wna16"][1], gptq_wna16_gemm),

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import triton_utils
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8, requantize_to_max_scale
+from kernels.moe import align, fused
 from kernels.moe_base import MoEKernel, MoESpec, expert_slices
 from tests.helpers.numerics import rel_err
 from tests.kernels import reference_layouts as ref
@@ -341,8 +341,8 @@ def test_routes_all_on_other_ranks_add_nothing() -> None:
 def test_worst_case_sized_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA route sort (no host sync: grid sized for the worst case, trailing blocks -1) gives
     the same result: the kernels skip the empty blocks."""
-    exact = triton_utils.moe_align_block_size
-    monkeypatch.setattr(triton_utils, "moe_align_block_size", functools.partial(exact, exact_size=False))
+    exact = align.moe_align_block_size
+    monkeypatch.setattr(fused, "moe_align_block_size", functools.partial(exact, exact_size=False))
     dtype = torch.float16
     for name in CASES:
         k, tensors, spec = prepared(name, CASES[name][0], dtype)
@@ -369,7 +369,7 @@ def test_apply_falls_back_to_reference_without_interpreter(monkeypatch: pytest.M
         k, tensors, spec = prepared(name, CASES[name][0], torch.bfloat16)
         x = torch.randn(3, H).to(torch.bfloat16)
         ids, weights = routes(3, spec.top_k, spec.num_experts, torch.Generator().manual_seed(0))
-        assert not triton_utils.runs_triton(x)
+        assert not fused.runs_triton(x)
         assert torch.equal(
             k.apply(x, ids, weights, tensors, spec), k.reference(x, ids, weights, tensors, spec)
         )
@@ -385,7 +385,7 @@ def test_moe_align_block_size(exact_size: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     tokens, top_k, block_m, first, num = 21, 2, 4, 2, 5  # global ids 0..8, this rank 2..6
     ids = torch.stack([torch.randperm(9, generator=gen)[:top_k] for _ in range(tokens)])
-    r = triton_utils.moe_align_block_size(ids, block_m, first, num, exact_size=exact_size)
+    r = align.moe_align_block_size(ids, block_m, first, num, exact_size=exact_size)
     slots = tokens * top_k
     assert r.num_slots == slots and r.top_k == top_k and r.block_m == block_m
     assert r.sorted_ids.dtype == torch.int32 and r.block_experts.dtype == torch.int32

@@ -11,15 +11,11 @@ Marlin zero points per expert):
 Every expert passes marlin_wna16's rules for its w13 (N = 2I, K = H) and w2 (N = H, K = I)
 (check_marlin_shape: N % 64, K % 128, group sizes -1/32/64/128, 4/8-bit, zero points 4-bit only).
 
-Runtime (`apply`, CUDA or interpreter tensors; vLLM's fused_moe schedule, kernels/triton_utils.py
-`fused_moe_mlp`): the (token, choice) slots are sorted by local expert and padded per expert to
-BLOCK_M (`moe_align_block_size`, torch); ONE grouped GEMM launch over (BLOCK_M blocks x N tiles)
-computes every expert's gate|up, each block reading its expert's Marlin tiles in place with
-marlin_wna16's closed-form index map (`marlin_helpers()`); silu(gate) * up in torch; ONE grouped
-GEMM for every expert's down projection, each row multiplied by its routing weight; the sum over the
-top-k choices in fp32. Act-order: each K block of activations is gathered through the block's expert
-`perm` inside the kernel (no permuted copy of the activations). Expert parallel: ids outside this
-rank's [first_expert, first_expert + num_experts) are not routed here and add nothing.
+Runtime (`apply`, CUDA or interpreter tensors): the fused schedule of kernels/moe/fused.py, each
+block reading its expert's Marlin tiles in place with marlin_wna16's closed-form index map
+(kernels/marlin_tiles.py). Act-order: each K block of activations is gathered through the block's
+expert `perm` inside the kernel (no permuted copy of the activations). Expert parallel: ids outside
+this rank's [first_expert, first_expert + num_experts) are not routed here and add nothing.
 Without the interpreter on CPU tensors `apply` runs the pure-torch twin `reference`. Expert biases
 are refused (has_bias): the fused kernels do not add them.
 """
@@ -29,19 +25,11 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, ClassVar
 
-from kernels.base import Target
-from kernels.experts import FusedExperts, PartLaunch
+from kernels.jit import import_triton, jit
+from kernels.launch import fit_to_groups
+from kernels.marlin_tiles import marlin_tiles
 from kernels.marlin_wna16 import MarlinWNA16Kernel, grouped_scales
-from kernels.targets import gpu_targets
-from kernels.triton_utils import (
-    bf16_interpreter,
-    fit_to_groups,
-    launch_options,
-    marlin_helpers,
-    moe_grid,
-    moe_helpers,
-    with_helpers,
-)
+from kernels.moe.fused import FusedExperts, PartLaunch, moe_grid, moe_tiles
 
 
 class MarlinMoEKernel(FusedExperts):
@@ -49,47 +37,34 @@ class MarlinMoEKernel(FusedExperts):
 
     inner: ClassVar[MarlinWNA16Kernel] = MarlinWNA16Kernel()
     name: ClassVar[str] = "marlin_moe_wna16"
-    layout_version: ClassVar[int] = MarlinWNA16Kernel.layout_version
-    schemes: ClassVar[frozenset[str]] = frozenset({"int"})
-    targets: ClassVar[frozenset[Target]] = gpu_targets(80)
     elsewhere: ClassVar[str] = "sm75 uses gptq_wna16_experts, cpu uses cpu_int4_experts / cpu_int8_experts"
-    based_on: ClassVar[str] = "marlin_wna16"
     description: ClassVar[str] = (
         "int4/int8 weight-only experts on the Marlin MoE layout (vLLM bytes), fused Triton grouped GEMMs"
     )
 
     def launch_part(self, p: PartLaunch) -> None:
-        t, spec, a, routes, y, weights, cfg, a_div = p
+        t, spec, a, routes = p.tensors, p.spec, p.a, p.routes
         qweight, scales, zeros, perm = t["qweight"], t["scales"], t.get("zeros"), t.get("perm")
         act_order = perm is not None
         group = spec.k if spec.group_size in (-1, 0) else spec.group_size
-        cfg, per_block_scale = fit_to_groups(cfg, group, act_order=act_order)
+        cfg, per_block_scale = fit_to_groups(p.cfg, group, act_order=act_order)
         zp = zeros if zeros is not None else qweight
         _kernel()[moe_grid(routes, spec.n, cfg.block_n)](
             a, qweight, scales, zp, t["g_idx"] if act_order else scales, perm if act_order else scales,
-            routes.sorted_ids, routes.block_experts, weights if weights is not None else scales, y,
-            spec.n, spec.k, group, routes.num_slots, a_div,
+            routes.sorted_ids, routes.block_experts, p.weights if p.weights is not None else scales, p.y,
+            spec.n, spec.k, group, routes.num_slots, p.a_div,
             qweight[0].numel(), scales[0].numel(), zp[0].numel(),  # one expert's slice of each
             BITS=spec.bits, HAS_ZP=zeros is not None, ACT_ORDER=act_order,
-            GROUPED_SCALES=grouped_scales(spec), PER_BLOCK_SCALE=per_block_scale,
-            MUL_WEIGHT=weights is not None,
-            BLOCK_M=routes.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BF16_INTERP=bf16_interpreter(a), **launch_options(a, cfg),
+            GROUPED_SCALES=grouped_scales(spec), PER_BLOCK_SCALE=per_block_scale, **p.expert_meta(cfg),
         )  # fmt: skip
-
-
-# The shared @triton.jit helpers (kernels/triton_utils.py), bound by with_helpers() when a kernel is built.
-moe_tile: Any = None
-marlin_n_terms: Any = None
-marlin_dot: Any = None
-store_tile: Any = None
 
 
 @cache
 def _kernel() -> Any:
-    triton, tl = with_helpers(globals(), moe_helpers(), marlin_helpers())
+    _, tl = import_triton()
+    moe_tile, store_slots = moe_tiles()
+    marlin_n_terms, _, marlin_dot = marlin_tiles()
 
-    @triton.jit
     def marlin_moe_kernel(
         X, QW, S, ZP, GIDX, PERM, SORTED, BLOCK_EXPERT, TOPK_W, Y,
         N, K, group_size, num_slots, a_div, qw_expert_stride, s_expert_stride, zp_expert_stride,
@@ -97,7 +72,9 @@ def _kernel() -> Any:
         PER_BLOCK_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        expert, slots, mask_m, offs_n, mask_n = moe_tile(SORTED, BLOCK_EXPERT, num_slots, N, BLOCK_M, BLOCK_N)
+        expert, slots, rows, mask_m, offs_n, mask_n = moe_tile(
+            SORTED, BLOCK_EXPERT, num_slots, a_div, N, BLOCK_M, BLOCK_N
+        )
         if expert < 0:  # past the last expert's padded rows (CUDA sizes the grid for the worst case)
             return
         e = expert.to(tl.int64)
@@ -106,7 +83,6 @@ def _kernel() -> Any:
         ZP += e * zp_expert_stride
         GIDX += e * K
         PERM += e * K
-        rows = (slots // a_div).to(tl.int64)  # w13: the slot's token; w2: the slot's own row
         col_n, shift_n, s_col, zp_col, zp_shift = marlin_n_terms(offs_n, BITS, GROUPED_SCALES)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(0, tl.cdiv(K, BLOCK_K)):
@@ -125,8 +101,6 @@ def _kernel() -> Any:
                 acc, x, QW, S, ZP, GIDX, it, offs_k, mask_k, mask_n, col_n, shift_n, s_col, zp_col, zp_shift,
                 N, group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
             )  # fmt: skip
-        if MUL_WEIGHT:
-            acc = acc * tl.load(TOPK_W + slots, mask=mask_m, other=0.0)[:, None]
-        store_tile(acc, Y, Y, slots.to(tl.int64), offs_n, mask_m, mask_n, N, 0, False, 1, BF16_INTERP)
+        store_slots(acc, Y, TOPK_W, slots, offs_n, mask_m, mask_n, N, MUL_WEIGHT, BF16_INTERP)
 
-    return marlin_moe_kernel
+    return jit(marlin_moe_kernel)

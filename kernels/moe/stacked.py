@@ -11,29 +11,42 @@ so `marlin_wna16_experts` holds vLLM's Marlin MoE bytes and `cpu_int4_experts` t
 expert. `apply` runs each routed expert through `inner`'s own (bound) kernels: at decode only the
 experts the tokens picked, at prefill one batched call per expert over the tokens routed to it
 (tokens grouped by a stable sort, no Python loop over tokens). The weighted sum is accumulated in
-fp32. These are the CPU expert kernels and the GPU fallback where no fused kernel applies.
-
-`FusedExperts` is the base of the fused expert-group kernels (kernels/marlin_moe.py,
-kernels/fp8_moe.py): the same stacked layout, run by vLLM's fused_moe schedule
-(kernels/triton_utils.py `fused_moe_mlp`); a subclass launches one grouped GEMM per part.
+fp32. These are the CPU expert kernels and the GPU fallback where no fused kernel applies; the fused
+kernels (kernels/moe/fused.py) store the same layouts.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
+from kernels.base import IntWeight, LinearKernel, SourceWeight, StoredTensor
 from kernels.moe_base import W2, W13, MoEApply, MoEKernel, MoESpec, expert_slices, swiglu
 from kernels.targets import Target
-from kernels.triton_utils import GemmConfig, MoERoutes, fused_moe_mlp, runs_triton
 
 
 class StackedExperts(MoEKernel):
-    """Base of the `<inner>_experts` kernels; `inner` is set per subclass by `stacked_experts`."""
+    """Base of the expert-group kernels that stack `inner`'s layout. A subclass names `inner` (and its
+    own `name`, `elsewhere`, `description`); what the layout and its targets are comes from `inner`."""
 
     inner: ClassVar[LinearKernel]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        inner = cls.__dict__.get("inner")
+        if inner is None:
+            return
+        derived = {
+            "layout_version": inner.layout_version,
+            "schemes": inner.schemes,
+            "targets": inner.targets,
+            "cpu_act_dtype": inner.cpu_act_dtype,
+            "based_on": inner.name,
+        }
+        for attr, value in derived.items():
+            if attr not in cls.__dict__:
+                setattr(cls, attr, value)
 
     def supports(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
         for part, linear in ((W13, spec.w13), (W2, spec.w2)):
@@ -116,81 +129,12 @@ class StackedExperts(MoEKernel):
         return run
 
 
-class FusedExperts(StackedExperts):
-    """A stacked layout (`stacked_experts(inner)`'s tensors, declaration, prepare and dequantize)
-    run by the fused schedule of kernels/triton_utils.py `fused_moe_mlp`: the subclass launches
-    one grouped GEMM per part (`launch_part`). Expert biases are refused (the fused kernels do not
-    add them; the per-expert `<inner>_experts` kernel does)."""
-
-    kind: ClassVar[Literal["dequant", "fp8"]] = "dequant"  # the block-size family (moe_config)
-
-    def supports(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
-        if spec.w13.has_bias or spec.w2.has_bias:
-            return False, (
-                f"{self.name} has no expert biases (layer {spec.name} has them); "
-                f"the per-expert {self.based_on}_experts kernel runs them"
-            )
-        return super().supports(spec, target)  # the linear kernel's rules for w13 and w2, per expert
-
-    def bind_apply(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> MoEApply:
-        parts = {part: part_tensors(tensors, part) for part in (W13, W2)}
-        launch_part, reference, name, kind = self.launch_part, self.reference, self.name, self.kind
-
-        def launch(
-            part: str,
-            a: torch.Tensor,
-            routes: MoERoutes,
-            y: torch.Tensor,
-            weights: torch.Tensor | None,
-            cfg: GemmConfig,
-        ) -> None:
-            a_div = routes.top_k if part == W13 else 1  # w13 reads the slot's token, w2 the slot's row
-            launch_part(PartLaunch(parts[part], spec.part(part), a, routes, y, weights, cfg, a_div))
-
-        def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-            if not runs_triton(x):
-                return reference(x, topk_ids, topk_weights, tensors, spec)
-            return fused_moe_mlp(x, topk_ids, topk_weights, spec, launch, kind, name)
-
-        return run
-
-    def launch_part(self, p: PartLaunch) -> None:
-        """One grouped GEMM over `p.routes`: y[slot] = a[slot // a_div] @ W_e.T (times the slot's
-        routing weight when `p.weights` is given) for the part's stacked tensors."""
-        raise NotImplementedError
-
-
-class PartLaunch(NamedTuple):
-    """What `FusedExperts.launch_part` gets for one grouped GEMM."""
-
-    tensors: dict[str, torch.Tensor]  # the part's stacked tensors, suffix -> (E, ...)
-    spec: LinearSpec  # the part's per-expert spec
-    a: torch.Tensor  # activations: (T, K) for w13, (slots, K) for w2
-    routes: MoERoutes
-    y: torch.Tensor  # output rows, one per slot
-    weights: torch.Tensor | None  # routing weight per slot, multiplied in when given
-    cfg: GemmConfig
-    a_div: int  # slot -> row of `a`: top_k for w13 (the slot's token), 1 for w2 (the slot's row)
-
-
-def part_tensors(tensors: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
-    """The stacked tensors of one part, by suffix ("w13.qweight" -> "qweight"), contiguous (the
-    kernels step from expert to expert by the size of one expert's slice)."""
-    head = part + "."
-    return {name[len(head) :]: t.contiguous() for name, t in tensors.items() if name.startswith(head)}
-
-
 def stacked_experts(inner: LinearKernel) -> MoEKernel:
     """The expert-group kernel storing `inner`'s layout per expert (see the module docstring)."""
     attrs: dict[str, Any] = {
         "inner": inner,
         "name": f"{inner.name}_experts",
-        "layout_version": inner.layout_version,
-        "schemes": inner.schemes,
-        "targets": inner.targets,
         "elsewhere": inner.elsewhere,
-        "cpu_act_dtype": inner.cpu_act_dtype,
-        "based_on": inner.name,
         "description": f"experts stacked in {inner.name}'s layout, run expert by expert",
     }
     cls = type(f"{type(inner).__name__}Experts", (StackedExperts,), attrs)

@@ -1,0 +1,73 @@
+"""`@triton.jit` pieces of the FP8 and 1-byte-operand GEMMs (fp8_w8a16, fp8_marlin, fp8_w8a8,
+int8_w8a8 and their fused expert groups), over rows `rows` of X and the K iterations [k_begin, k_end).
+
+`e4m3_to_f32`: exact e4m3 decode of int32 bit patterns (normals rebase the exponent bias 7 -> 127,
+subnormals m * 2^-9), for GPUs without FP8 conversion instructions;
+`e4m3_gemm`: the fp32 tile x @ e4m3(W).T of a K-major (N, K) e4m3 weight, every e4m3 value exact in
+fp16 and bf16; block scales (BLOCK_K divides block_k) scale each K step's dot, per-row scales the result;
+`token_scaled_gemm`: the fp32 tile (XQ @ W.T) * XS[row] * WS of 1-byte operands, int8 (exact int32
+accumulator) or e4m3 (fp32), WS per output channel (PER_CHANNEL) or one.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from kernels.gemm import operand_tiles
+from kernels.jit import import_triton, jit
+
+
+@cache
+def fp8_tiles() -> tuple[Any, Any, Any]:
+    """(e4m3_to_f32, e4m3_gemm, token_scaled_gemm), see the module docstring."""
+    _, tl = import_triton()
+    x_tile, kmajor_tile = operand_tiles()
+
+    def e4m3_to_f32(b):
+        em = b & 0x7F
+        normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        mag = tl.where(em < 8, (em & 7).to(tl.float32) * 0.001953125, normal)
+        return tl.where((b & 0x80) != 0, -mag, mag)
+
+    e4m3_to_f32 = jit(e4m3_to_f32)  # e4m3_gemm calls the compiled one
+
+    def e4m3_gemm(
+        X, W, S, rows, mask_m, offs_n, mask_n, k_begin, k_end, K, block_n, block_k, k_blocks,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_SCALES: tl.constexpr, BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, rows, mask_m, it, K, BLOCK_K, BF16_INTERP)
+            v = e4m3_to_f32(kmajor_tile(W, offs_n, mask_n, offs_k, mask_k, K).to(tl.int32))
+            if not BF16_INTERP:
+                v = v.to(x.dtype)
+            if BLOCK_SCALES:
+                kb = (it * BLOCK_K) // block_k
+                s = tl.load(S + (offs_n // block_n) * k_blocks + kb, mask=mask_n, other=0.0)
+                acc += tl.dot(x, v, out_dtype=tl.float32) * s[None, :]
+            else:
+                acc += tl.dot(x, v, out_dtype=tl.float32)
+        if not BLOCK_SCALES:
+            acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+        return acc
+
+    def token_scaled_gemm(
+        XQ, XS, W, WS, rows, mask_m, offs_n, mask_n, k_begin, k_end, K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PER_CHANNEL: tl.constexpr, INT8: tl.constexpr,
+    ):  # fmt: skip
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |127 * 128| * K < 2^31
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            a, offs_k, mask_k = x_tile(XQ, rows, mask_m, it, K, BLOCK_K, False)
+            acc += tl.dot(a, kmajor_tile(W, offs_n, mask_n, offs_k, mask_k, K))
+        acc = acc.to(tl.float32) * tl.load(XS + rows, mask=mask_m, other=0.0)[:, None]
+        if PER_CHANNEL:
+            return acc * tl.load(WS + offs_n, mask=mask_n, other=0.0)[None, :]
+        return acc * tl.load(WS)
+
+    return e4m3_to_f32, jit(e4m3_gemm), jit(token_scaled_gemm)
