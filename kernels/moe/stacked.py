@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from kernels.base import IntWeight, LinearKernel, SourceWeight, StoredTensor
-from kernels.moe_base import W2, W13, MoEApply, MoEKernel, MoESpec, expert_slices, swiglu
+from kernels.moe_base import W2, W13, MoEApply, MoEKernel, MoESpec, expert_slices, routed_experts, swiglu
 from kernels.targets import Target
 
 
@@ -91,6 +91,25 @@ class StackedExperts(MoEKernel):
             self.inner.stored_int_weight(expert_slices(tensors, W13, expert), spec.w13),
             self.inner.stored_int_weight(expert_slices(tensors, W2, expert), spec.w2),
         )
+
+    def reference(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        spec: MoESpec,
+    ) -> torch.Tensor:
+        """Twin of `apply`: every routed expert through `inner`'s own twin (a W8A8 inner kernel's
+        quantizes activations as its kernel does), the weighted sum in fp32."""
+        inner = self.inner
+        out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
+        for e, token, slot in routed_experts(topk_ids, spec):
+            rows = x[token]
+            h = inner.reference(rows, expert_slices(tensors, W13, e), spec.w13)
+            y = inner.reference(swiglu(h).to(rows.dtype), expert_slices(tensors, W2, e), spec.w2)
+            out.index_add_(0, token, y.float() * topk_weights[token, slot].float()[:, None])
+        return out.to(x.dtype)
 
     def bind_apply(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> MoEApply:
         inner = self.inner

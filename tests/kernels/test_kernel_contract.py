@@ -86,11 +86,6 @@ APPLY_REL_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3, torch.float32: 1e-
 # The same for an expert group: two chained GEMMs, silu(gate) * up rounded to the act dtype between
 # them and every routed row once more before the top-k sum (about 1.5x one GEMM).
 MOE_APPLY_REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
-# Known defect (reported, not fixed here): the twin of a stacked expert group whose linear kernel
-# quantizes activations per token (fp8_w8a8_experts, int8_w8a8_experts, cpu_w8a8_experts) is the
-# base MoEKernel.reference, which does not: its apply is checked against it within the activation
-# quantization bound instead (see `twin_skips_activation_quantization`).
-
 # Leading dimensions of x per apply: decode, a batch (33 rows cross cpu_int8's switch to its widened
 # GEMM at 32) and a batched (..., K) input. The Triton interpreter is slow, so GPU targets run decode
 # or the batched input, alternately.
@@ -387,19 +382,17 @@ def test_moe_layout_contract(case: MoECase) -> None:
     y = kernel.reference(x, ids, weights, tensors, spec)
     assert y.dtype == torch.float32 and y.shape == (6, spec.hidden)
     expected = moe_expected(x, ids, weights, dequantized)
-    tol = MOE_ACT_QUANT_REL_ERR if overrides(kernel, "reference", MoEKernel) else FP32_REL_ERR
+    tol = MOE_ACT_QUANT_REL_ERR if quantizes_activations(kernel) else FP32_REL_ERR
     assert rel_err(y, expected) < tol, f"reference: relative error {rel_err(y, expected):.2e}"
 
 
-def twin_skips_activation_quantization(kernel: MoEKernel) -> bool:
-    """A stacked group (`inner`: the linear kernel whose layout it stacks) of a W8A8 linear kernel
-    whose twin is the unquantized base one (the known defect above)."""
+def quantizes_activations(kernel: MoEKernel) -> bool:
+    """Its twin quantizes activations per token: a fused W8A8 group's own twin, or a stacked group
+    (`inner`: the linear kernel whose layout it stacks) of a W8A8 linear kernel."""
     inner = getattr(kernel, "inner", None)
-    return (
-        isinstance(inner, LinearKernel)
-        and overrides(inner, "reference", LinearKernel)
-        and not overrides(kernel, "reference", MoEKernel)
-    )
+    if isinstance(inner, LinearKernel):
+        return overrides(inner, "reference", LinearKernel)
+    return overrides(kernel, "reference", MoEKernel)
 
 
 def _moe_apply_groups() -> list[tuple[str, list[MoECase]]]:
@@ -449,6 +442,4 @@ def test_moe_apply_matches_reference(cases: list[MoECase]) -> None:
                 assert y.shape == (tokens, spec.hidden) and y.dtype == dtype and y.device == x.device, what
                 err = rel_err(y.cpu(), kernel.reference(x, ids, weights, tensors, spec).cpu())
                 tol = apply_tolerance(MOE_APPLY_REL_TOL, dtype, kernel, target, tensors)
-                if twin_skips_activation_quantization(kernel):
-                    tol = MOE_ACT_QUANT_REL_ERR
                 assert err < tol, f"{what}: relative error {err:.2e} >= {tol}"
