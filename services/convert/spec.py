@@ -7,7 +7,7 @@ the API process imports it."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
 
@@ -87,5 +87,12 @@ def conversion_spec(**fields: object) -> ConversionSpec:
     try:
         return ConversionSpec.model_validate(fields)
     except ValidationError as e:
-        problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ConversionSpecError("; ".join(problems)) from None
+        raise ConversionSpecError("; ".join(_problem(err) for err in e.errors())) from None
+
+
+def _problem(err: Any) -> str:
+    """`method 'int3' is not supported: Input should be 'auto' or 'fp8'`."""
+    where = ".".join(str(p) for p in err["loc"])
+    value = err.get("input")
+    shown = f" {value!r}" if isinstance(value, str | int | float) else ""
+    return f"{where}{shown} is not supported: {err['msg']}"

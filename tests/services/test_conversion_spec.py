@@ -42,9 +42,11 @@ def test_an_old_row_without_options_runs_with_the_defaults() -> None:
 
 
 def test_a_bad_value_is_a_kiln_error_naming_the_field() -> None:
-    with pytest.raises(ConversionSpecError, match=r"method: Input should be 'auto' or 'fp8'"):
+    method = r"method 'int3' is not supported: Input should be 'auto' or 'fp8'"
+    with pytest.raises(ConversionSpecError, match=method):
         conversion_spec(source="/m", targets=[Target.CPU], method="int3")
-    with pytest.raises(ConversionSpecError, match=r"options\.fp8_scheme"):
+    with pytest.raises(ConversionSpecError, match=r"options\.fp8_scheme 'row' is not supported"):
         conversion_spec(source="/m", targets=[Target.CPU], options={"fp8_scheme": "row"})
-    with pytest.raises(ConversionSpecError, match=r"tp: Input should be less than or equal to 64"):
+    tp = r"tp 65 is not supported: Input should be less than or equal to 64"
+    with pytest.raises(ConversionSpecError, match=tp):
         conversion_spec(source="/m", targets=[Target.CPU], tp=65)
