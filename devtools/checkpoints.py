@@ -329,30 +329,35 @@ def pack_awq_linear(weight: Any, group_size: int = GROUP_SIZE) -> dict[str, Any]
     }
 
 
-def _build_awq_packed(source: Path, out: Path) -> None:
+def write_awq_gemm(
+    source: Path, out: Path, *, group_size: int = GROUP_SIZE, dtype: str | None = "float16"
+) -> None:
+    """AWQ-GEMM checkpoint of `source`: every layer linear quantized with AWQ's recipe and packed by
+    AutoAWQ's packer (scales fp16, as AutoAWQ stores them); every other tensor and config.json's dtype
+    in `dtype` (AutoAWQ's checkpoints are fp16 throughout), or the source's when None."""
     import torch
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    quantized = {f"{module}.weight" for module in _quantized_modules(config)}
     result: dict[str, torch.Tensor] = {}
-    source_config = json.loads((source / "config.json").read_text())
-    quantized = {f"{module}.weight" for module in _quantized_modules(source_config)}
     for name, tensor in tensors.items():
         if name in quantized:
             prefix = name.removesuffix(".weight")
-            for suffix, value in pack_awq_linear(tensor).items():
+            for suffix, value in pack_awq_linear(tensor, group_size).items():
                 result[f"{prefix}.{suffix}"] = value
         else:
-            result[name] = tensor.to(torch.float16)  # AutoAWQ checkpoints are fp16 throughout
+            result[name] = tensor if dtype is None else tensor.to(getattr(torch, dtype))
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    config = json.loads((source / "config.json").read_text())
-    config["dtype"] = "float16"
-    config.pop("torch_dtype", None)
+    if dtype is not None:
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)
     config["quantization_config"] = {
         "quant_method": "awq",
         "bits": 4,
-        "group_size": GROUP_SIZE,
+        "group_size": group_size,
         "zero_point": True,
         "version": "gemm",
         "modules_to_not_convert": None,
@@ -373,7 +378,7 @@ def _quantized_modules(config: dict[str, Any]) -> set[str]:
 def build_awq_packed(cache: Path | None = None) -> Path:
     """AWQ-GEMM checkpoint (quant_method awq, 4 bits, g64, zero point) packed by AutoAWQ's packer; ≈10 s."""
     source = build_bf16(cache)
-    return _cached_build(AWQ_PACKED_DIR, cache, lambda out: _build_awq_packed(source, out))
+    return _cached_build(AWQ_PACKED_DIR, cache, lambda out: write_awq_gemm(source, out))
 
 
 # --- artifacts ----------------------------------------------------------------------------------

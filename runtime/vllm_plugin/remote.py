@@ -45,7 +45,7 @@ class RemoteArtifactError(KilnError):
 
 
 def register() -> None:
-    """Entry point `kiln-s3` of `vllm.general_plugins` (safe to call more than once)."""
+    """Called by the plugin's `register` (safe to call more than once)."""
     global _installed
     with _lock:
         if _installed:

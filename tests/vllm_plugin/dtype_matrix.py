@@ -19,8 +19,6 @@ in that dtype).
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,36 +51,6 @@ METHOD_SPECS: dict[str, Method] = {
 }
 
 
-def _build_awq_gemm(source: Path, out: Path) -> None:
-    """Every linear of the source (not lm_head) AWQ-quantized and packed by AutoAWQ's packer."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    config = json.loads((source / "config.json").read_text())
-    tensors = load_file(str(source / "model.safetensors"))
-    packed: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            prefix = name.removesuffix(".weight")
-            for suffix, value in checkpoints.pack_awq_linear(tensor, AWQ_GROUP_SIZE).items():
-                packed[f"{prefix}.{suffix}"] = value
-        else:
-            packed[name] = tensor
-    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": AWQ_GROUP_SIZE,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": None,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for path in source.iterdir():
-        if path.name not in ("config.json", "model.safetensors", checkpoints.COMPLETE_MARKER):
-            shutil.copy2(path, out / path.name)
-
-
 def source_checkpoint(method: str, dtype: str) -> Path:
     """The original checkpoint of a matrix cell (built once per cache)."""
     m = METHOD_SPECS[method]
@@ -91,7 +59,9 @@ def source_checkpoint(method: str, dtype: str) -> Path:
         return source
     if m.scheme == "awq-gemm":
         return checkpoints._cached_build(
-            f"{source.name}--awq-gemm-g{AWQ_GROUP_SIZE}-v1", None, lambda out: _build_awq_gemm(source, out)
+            f"{source.name}--awq-gemm-g{AWQ_GROUP_SIZE}-v1",
+            None,
+            lambda out: checkpoints.write_awq_gemm(source, out, group_size=AWQ_GROUP_SIZE, dtype=None),
         )
     return mc.build_quantized(source, m.scheme)
 
