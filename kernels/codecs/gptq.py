@@ -33,20 +33,6 @@ def decode_gptq(
     """Unpack one GPTQ layer. `v2` selects the checkpoint_format "gptq_v2" zero convention."""
     _check_int32("qweight", qweight)
     _check_int32("qzeros", qzeros)
-    with serial_ops():
-        return _decode_gptq(qweight, qzeros, scales, g_idx, bits, group_size, sym, v2)
-
-
-def _decode_gptq(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    sym: bool,
-    v2: bool,
-) -> IntWeight:
     k = packed_capacity(qweight.shape[0], bits)
     n = qweight.shape[1]
     if scales.dim() != 2 or scales.shape[1] != n:
@@ -57,27 +43,27 @@ def _decode_gptq(
         raise LayoutError(
             f"GPTQ qzeros must be (G={g}, N*bits/32) int32 for N={n}, {bits}-bit; got {tuple(qzeros.shape)}"
         )
-    if bits == 4:
-        codes = unpack4_transposed(qweight)  # (N, K) uint8
-    else:
-        codes = unpack_cols(qweight.T, bits, k)  # (N, K) uint8; transposing int32 words is the cheap side
-    stored = unpack_cols(qzeros, bits, n)  # (G, N) uint8
-    zeros = _stored_to_zeros(stored, bits, v2)
-    if sym:
-        mid = 1 << (bits - 1)
-        if not bool((zeros == mid).all()):
-            raise LayoutError(_asym_message(zeros, bits, v2))
-        zeros_out: torch.Tensor | None = None
-    else:
-        zeros_out = zeros.to(torch.uint8)
-    return IntWeight(
-        codes=codes,
-        scales=scales,
-        bits=bits,
-        group_size=group_size,
-        zeros=zeros_out,
-        g_idx=_canonical_g_idx(g_idx, k, g, group_size),
-    )
+    with serial_ops():
+        if bits == 4:
+            codes = unpack4_transposed(qweight)  # (N, K) uint8
+        else:
+            codes = unpack_cols(qweight.T, bits, k)  # (N, K) uint8; transposing int32 words is the cheap side
+        zeros = _stored_to_zeros(unpack_cols(qzeros, bits, n), bits, v2)  # (G, N)
+        if sym:
+            mid = 1 << (bits - 1)
+            if not bool((zeros == mid).all()):
+                raise LayoutError(_asym_message(zeros, bits, v2))
+            zeros_out: torch.Tensor | None = None
+        else:
+            zeros_out = zeros.to(torch.uint8)
+        return IntWeight(
+            codes=codes,
+            scales=scales,
+            bits=bits,
+            group_size=group_size,
+            zeros=zeros_out,
+            g_idx=_canonical_g_idx(g_idx, k, g, group_size),
+        )
 
 
 def encode_gptq(w: IntWeight, *, v2: bool) -> dict[str, torch.Tensor]:
