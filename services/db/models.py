@@ -1,10 +1,12 @@
 """SQL metadata: conversion jobs, committed artifacts and their files, API tokens.
 
-The job row is the source of truth for a conversion: the broker only carries its id. `task_id` names
-the one broker message allowed to run the job (a redelivery keeps it; the reconciler replaces it),
-`attempts` counts task starts, `dedupe_key` (unique, set while a job is live or succeeded; a hash
-of the owning token and the request digest, see `repo.owner_dedupe_key`) makes one token's identical
-concurrent submissions share one job. A job belongs to `token_id`: other non-admin tokens never see it.
+The job row is the source of truth for a conversion: the broker only carries its id. `spec` holds the
+request (`ConversionSpec.row()`, validated back by the worker's `stored_spec`); `source` repeats the
+spec's source for `list_jobs`' filter, both written by `repo.spec_columns`. `task_id` names the one
+broker message allowed to run the job (a redelivery keeps it; the reconciler replaces it), `attempts`
+counts task starts, `dedupe_key` (unique, set while a job is live or succeeded; a hash of the owning
+token and the request digest, see `repo.owner_dedupe_key`) makes one token's identical concurrent
+submissions share one job. A job belongs to `token_id`: other non-admin tokens never see it.
 """
 
 from __future__ import annotations
@@ -40,11 +42,8 @@ class Job(Base):
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
 
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     source: Mapped[str] = mapped_column(Text)
-    targets: Mapped[list[str]] = mapped_column(JSON)
-    method: Mapped[str] = mapped_column(String(16))
-    tp: Mapped[int] = mapped_column(Integer)
-    options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     request_digest: Mapped[str] = mapped_column(String(64), index=True)
     dedupe_key: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)

@@ -127,6 +127,13 @@ def owner_dedupe_key(token_id: int | None, digest: str) -> str:
     return hashlib.sha256(f"{owner}:{digest}".encode()).hexdigest()
 
 
+def spec_columns(spec: ConversionSpec) -> dict[str, object]:
+    """A job row's request columns: the whole spec (the worker validates it back), and its source
+    copied out for `list_jobs`' filter."""
+    row = spec.row()
+    return {"spec": row, "source": row["source"]}
+
+
 def model_name(source: str) -> str:
     return PurePosixPath(source.rstrip("/")).name or source
 
@@ -175,7 +182,7 @@ def submit_job(
     for _ in range(2):  # a conflicting job that ended (and freed its dedupe_key) meanwhile: retry
         values = {
             "id": new_job_id(),
-            **spec.row(),  # a column per field of the spec; the worker validates them back
+            **spec_columns(spec),
             "request_digest": digest,
             "dedupe_key": owner_dedupe_key(token_id, digest),
             "idempotency_key": idempotency_key,

@@ -189,11 +189,8 @@ class Claimed:
 
 def stored_spec(job: Job) -> ConversionSpec:
     """The job row's conversion, validated back into its one shape (rows written before any option
-    existed validate to its default)."""
-    return ConversionSpec.model_validate(
-        {"source": job.source, "targets": list(job.targets), "method": job.method, "tp": job.tp,
-         "options": dict(job.options or {})}
-    )  # fmt: skip
+    existed hold `options: {}`, which validates to the defaults)."""
+    return ConversionSpec.model_validate(job.spec)
 
 
 def discard_stale_staging(artifact_ids: list[str], settings: ServiceSettings) -> None:

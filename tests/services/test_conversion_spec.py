@@ -1,5 +1,5 @@
 """A conversion request has one shape (services/convert/spec.py): the REST body is it, a job row
-stores its fields and the worker validates them back — rows written before any option existed
+stores it as JSON and the worker validates it back — rows written before any option existed
 included; the CLI and the library get a KilnError naming a bad value."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 from kernels.targets import Target
 from services.api.schemas import ConversionCreate
 from services.convert.spec import ConversionSpec, ConversionSpecError, conversion_spec
+from services.db import repo
 from services.db.models import Job
 from services.worker.jobs import stored_spec
 
@@ -25,13 +26,14 @@ def test_the_rest_body_is_the_spec_and_a_row_round_trips() -> None:
     assert isinstance(body, ConversionSpec)
     row = body.row()
     assert row["targets"] == ["cpu", "sm80"]
-    job = Job(**row)
+    job = Job(**repo.spec_columns(body))
+    assert (job.spec, job.source) == (row, "/models/x")
     assert stored_spec(job) == ConversionSpec.model_validate(row)
     assert stored_spec(job).options.fp8_scheme == "block"
 
 
 def test_an_old_row_without_options_runs_with_the_defaults() -> None:
-    job = Job(source="/models/x", targets=["cpu"], method="auto", tp=1, options={})
+    job = Job(spec={"source": "/models/x", "targets": ["cpu"], "method": "auto", "tp": 1, "options": {}})
     spec = stored_spec(job)
     assert spec.targets == [Target.CPU]
     assert (spec.options.fp8_scheme, spec.options.disabled_kernels, spec.options.expert_parallel) == (

@@ -11,13 +11,15 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Connection, create_engine, insert, inspect, text
+from sqlalchemy import JSON, Connection, column, create_engine, insert, inspect, table, text
 
-from services.convert.spec import ConversionSpec
+from services.api.routes.conversions import to_schema
+from services.convert.spec import ConversionOptions, ConversionSpec
 from services.db import migrate, repo
-from services.db.models import Base
+from services.db.models import Base, Job
 from services.db.session import dispose_engines, session_scope
 from services.settings import ServiceSettings as Settings
+from services.worker.jobs import stored_spec
 from tests.services.conftest import PG_ADMIN_URL, REPO
 
 EXPECTED_TABLES = {"jobs", "artifacts", "artifact_files", "api_tokens"}
@@ -97,13 +99,29 @@ def _digest(source: str) -> str:
     return repo.request_digest(ConversionSpec(source=source, targets=["cpu"]))
 
 
-def _insert_job(conn: Connection, job_id: str, token_id: int | None, source: str, live: bool) -> None:
+# The jobs table as revisions 0001-0003 wrote it (a request field per column): rows written
+# before 0004, independent of today's models.
+OLD_JOBS = table(
+    "jobs", *(column(c) for c in (
+        "id", "status", "stage", "progress", "message", "attempts", "max_attempts", "cancel_requested",
+        "source", "request_digest", "dedupe_key", "token_id", "created_at", "updated_at",
+    )),
+    column("targets", JSON), column("options", JSON), column("artifact_ids", JSON),
+    column("method"), column("tp"),
+)  # fmt: skip
+
+
+def _insert_job(
+    conn: Connection, job_id: str, token_id: int | None, source: str, live: bool, **request: object
+) -> None:
+    """A job row in the 0001-0003 shape; `request` overrides targets / method / tp / options."""
     now, digest = datetime.now(UTC), _digest(source)
     conn.execute(
-        insert(Base.metadata.tables["jobs"]).values(
+        insert(OLD_JOBS).values(
             id=job_id, status="queued" if live else "failed", stage="queued", progress=0, message="",
-            attempts=0, max_attempts=3, cancel_requested=False, source=source, targets=["cpu"],
-            method="auto", tp=1, options={}, request_digest=digest, dedupe_key=digest if live else None,
+            attempts=0, max_attempts=3, cancel_requested=False, source=source,
+            **({"targets": ["cpu"], "method": "auto", "tp": 1, "options": {}} | request),
+            request_digest=digest, dedupe_key=digest if live else None,
             token_id=token_id, artifact_ids=[], created_at=now, updated_at=now,
         )
     )  # fmt: skip
@@ -175,3 +193,70 @@ def test_the_schema_matches_the_models_indexes(empty_db: str) -> None:
     finally:
         engine.dispose()
     assert diff == []
+
+
+def _old_requests(url: str) -> dict[str, tuple[object, ...]]:
+    """Each job's request as the 0001-0003 columns hold it."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as c:
+            rows = c.execute(OLD_JOBS.select())
+            return {r.id: (r.source, r.targets, r.method, r.tp, r.options) for r in rows}
+    finally:
+        engine.dispose()
+
+
+def _shown(job: Job) -> tuple[object, ...]:
+    """The request as the API's job response shows it."""
+    body = to_schema(job).model_dump()
+    return tuple(body[k] for k in ("source", "targets", "method", "tp", "options"))
+
+
+def _claim_specs(settings: Settings, job_ids: list[str]) -> dict[str, ConversionSpec]:
+    """What the worker's claim reads for each job: the row validated back into a ConversionSpec."""
+    specs = {}
+    with session_scope(settings) as s:
+        for job_id in job_ids:
+            claim = repo.claim_job(s, job_id, None)
+            assert claim.outcome == "run" and claim.job is not None
+            specs[job_id] = stored_spec(claim.job)
+    dispose_engines(close=True)
+    return specs
+
+
+def test_0004_moves_old_rows_into_the_spec_and_they_still_run(empty_db: str) -> None:
+    """Rows written under 0003 (a column per request field) hold their request in `spec` after the
+    upgrade: the worker claims them and validates the same ConversionSpec (a row from before options
+    existed gets the defaults), the API shows what it showed, `source` still filters the listing.
+    Downgrade restores the columns as they were."""
+    moe = {"fp8_scheme": "block", "disabled_kernels": ["dense"], "expert_parallel": True}
+    migrate.upgrade(empty_db, "0003")
+    engine = create_engine(empty_db)
+    with engine.begin() as c:
+        _insert_job(
+            c, "job-1", None, "s3://b/moe", True, targets=["cpu", "sm90"], method="fp8", tp=2, options=moe
+        )
+        _insert_job(c, "job-2", None, "/models/old", True)  # written before options existed
+    engine.dispose()
+    before = _old_requests(empty_db)
+
+    migrate.upgrade(empty_db)
+    assert {"targets", "method", "tp", "options"}.isdisjoint(_columns(empty_db)["jobs"])
+    expected = {
+        "job-1": ConversionSpec(
+            source="s3://b/moe", targets=["cpu", "sm90"], method="fp8", tp=2, options=ConversionOptions(**moe)
+        ),
+        "job-2": ConversionSpec(source="/models/old", targets=["cpu"]),
+    }
+    settings = Settings(_env_file=None, database_url=empty_db)  # type: ignore[call-arg]
+    assert _claim_specs(settings, list(expected)) == expected
+    with session_scope(settings) as s:
+        listed, _ = repo.list_jobs(s, limit=10, source="s3://b/moe")
+        assert [j.id for j in listed] == ["job-1"]
+        assert {j.id: _shown(j) for j in repo.list_jobs(s, limit=10)[0]} == before
+    dispose_engines(close=True)
+
+    migrate.downgrade(empty_db, "0003")
+    assert _old_requests(empty_db) == before
+    migrate.upgrade(empty_db)
+    assert _claim_specs(settings, list(expected)) == expected

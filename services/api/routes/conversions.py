@@ -48,11 +48,11 @@ def to_schema(job: Job) -> schemas.Job:
         attempts=job.attempts,
         max_attempts=job.max_attempts,
         cancel_requested=job.cancel_requested,
-        source=job.source,
-        targets=list(job.targets),
-        method=job.method,
-        tp=job.tp,
-        options=dict(job.options or {}),
+        source=job.spec["source"],
+        targets=list(job.spec["targets"]),
+        method=job.spec["method"],
+        tp=job.spec["tp"],
+        options=dict(job.spec["options"]),
         artifact_ids=list(job.artifact_ids or []),
         created_at=repo.as_aware(job.created_at),  # type: ignore[arg-type]
         updated_at=repo.as_aware(job.updated_at),  # type: ignore[arg-type]
