@@ -30,6 +30,9 @@ from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor, stor
 from kernels.targets import Target
 
 MoEApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# twin(e, rows, weights): local expert e's output for the (R, H) rows routed to it, times their
+# routing weights (R, 1) fp32 -> (R, H) fp32
+ExpertTwin = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 W13, W2 = "w13", "w2"
 
 
@@ -159,21 +162,36 @@ class MoEKernel(ABC):
         tensors: dict[str, torch.Tensor],
         spec: MoESpec,
     ) -> torch.Tensor:
-        """Pure-torch twin of `apply`: dequantize every routed local expert (biases added), compute
-        in fp32."""
-        out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
-        xf = x.float()
+        """Pure-torch twin of `apply`: every routed local expert's rows through `expert_twin`, the
+        weighted sum in fp32."""
+        return routed_sum(x, topk_ids, topk_weights, spec, self.expert_twin(tensors, spec))
+
+    def expert_twin(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> ExpertTwin:
+        """The twin of one local expert's share (`ExpertTwin`): here the dequantized expert (biases
+        added) in fp32; a kernel whose `apply` rounds or quantizes on the way mirrors that instead."""
         b13, b2 = tensors.get(f"{W13}.bias"), tensors.get(f"{W2}.bias")
-        for e, token, slot in routed_experts(topk_ids, spec):
+
+        def twin(e: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             w13, w2 = self.dequantize_expert(tensors, spec, e)
-            h = xf[token] @ w13.T
+            h = rows.float() @ w13.T
             if b13 is not None:
                 h = h + b13[e].float()
             y = swiglu(h) @ w2.T
             if b2 is not None:
                 y = y + b2[e].float()
-            out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
-        return out.to(x.dtype)
+            return y * weights
+
+        return twin
+
+
+def routed_sum(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec, twin: ExpertTwin
+) -> torch.Tensor:
+    """x (T, H) -> (T, H) in x's dtype: for every token, the fp32 sum of `twin` over its local experts."""
+    out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
+    for e, token, slot in routed_experts(topk_ids, spec):
+        out.index_add_(0, token, twin(e, x[token], topk_weights[token, slot].float()[:, None]))
+    return out.to(x.dtype)
 
 
 def routed_experts(topk_ids: torch.Tensor, spec: MoESpec) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -34,7 +34,7 @@ from kernels.fp8_w8a16 import Fp8W8A16Kernel, fit_to_fp8_blocks
 from kernels.jit import import_triton, jit
 from kernels.launch import TileKind
 from kernels.moe.fused import FusedExperts, PartLaunch, moe_grid, moe_tiles
-from kernels.moe_base import MoESpec, routed_experts, swiglu
+from kernels.moe_base import ExpertTwin, MoESpec, swiglu
 
 
 class Fp8MoEW8A8Kernel(FusedExperts):
@@ -59,25 +59,17 @@ class Fp8MoEW8A8Kernel(FusedExperts):
             PER_CHANNEL=ws[0].numel() > 1, **p.expert_meta(),
         )  # fmt: skip
 
-    def reference(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        tensors: dict[str, torch.Tensor],
-        spec: MoESpec,
-    ) -> torch.Tensor:
-        """Torch twin of `apply`: both GEMM inputs quantized per token (fp8_w8a8's reference), the
-        dequantized experts in fp32, gate|up and silu * up rounded to the act dtype as `apply` does."""
-        act = x.dtype
-        out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
-        xq = _per_token_dequant(x)
-        for e, token, slot in routed_experts(topk_ids, spec):
-            w13, w2 = (w.to(x.device) for w in self.dequantize_expert(tensors, spec, e))
-            h = swiglu((xq[token] @ w13.T).to(act)).to(act)
-            y = (_per_token_dequant(h) @ w2.T) * topk_weights[token, slot].float()[:, None]
-            out.index_add_(0, token, y.to(act).float())
-        return out.to(act)
+    def expert_twin(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> ExpertTwin:
+        """Both GEMM inputs quantized per token (fp8_w8a8's reference), the dequantized expert in fp32,
+        gate|up, silu * up and the weighted output rounded to the act dtype as `apply` does."""
+
+        def twin(e: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            act = rows.dtype
+            w13, w2 = (w.to(rows.device) for w in self.dequantize_expert(tensors, spec, e))
+            h = swiglu((_per_token_dequant(rows) @ w13.T).to(act)).to(act)
+            return ((_per_token_dequant(h) @ w2.T) * weights).to(act).float()
+
+        return twin
 
 
 def _per_token_dequant(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from kernels.base import IntWeight, LinearKernel, SourceWeight, StoredTensor
-from kernels.moe_base import W2, W13, MoEApply, MoEKernel, MoESpec, expert_slices, routed_experts, swiglu
+from kernels.moe_base import W2, W13, ExpertTwin, MoEApply, MoEKernel, MoESpec, expert_slices, swiglu
 from kernels.targets import Target
 
 
@@ -92,24 +92,17 @@ class StackedExperts(MoEKernel):
             self.inner.stored_int_weight(expert_slices(tensors, W2, expert), spec.w2),
         )
 
-    def reference(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        tensors: dict[str, torch.Tensor],
-        spec: MoESpec,
-    ) -> torch.Tensor:
-        """Twin of `apply`: every routed expert through `inner`'s own twin (a W8A8 inner kernel's
-        quantizes activations as its kernel does), the weighted sum in fp32."""
+    def expert_twin(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> ExpertTwin:
+        """Every routed expert through `inner`'s own twin (a W8A8 inner kernel's quantizes activations
+        as its kernel does), its output rounded to the act dtype as `inner.apply` rounds it."""
         inner = self.inner
-        out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
-        for e, token, slot in routed_experts(topk_ids, spec):
-            rows = x[token]
+
+        def twin(e: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             h = inner.reference(rows, expert_slices(tensors, W13, e), spec.w13)
             y = inner.reference(swiglu(h).to(rows.dtype), expert_slices(tensors, W2, e), spec.w2)
-            out.index_add_(0, token, y.float() * topk_weights[token, slot].float()[:, None])
-        return out.to(x.dtype)
+            return y.float() * weights
+
+        return twin
 
     def bind_apply(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> MoEApply:
         inner = self.inner

@@ -392,7 +392,7 @@ def quantizes_activations(kernel: MoEKernel) -> bool:
     inner = getattr(kernel, "inner", None)
     if isinstance(inner, LinearKernel):
         return overrides(inner, "reference", LinearKernel)
-    return overrides(kernel, "reference", MoEKernel)
+    return overrides(kernel, "expert_twin", MoEKernel)
 
 
 def _moe_apply_groups() -> list[tuple[str, list[MoECase]]]:

@@ -18,7 +18,7 @@ import torch
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8, requantize_to_max_scale
 from kernels.moe import align, fused
-from kernels.moe_base import MoEKernel, MoESpec, expert_slices
+from kernels.moe_base import MoEKernel, MoESpec, expert_slices, routed_sum
 from tests.helpers.numerics import rel_err
 from tests.kernels import reference_layouts as ref
 
@@ -27,7 +27,7 @@ from tests.kernels import reference_layouts as ref
 # rounded to the act dtype in between and every routed row once more before the top-k sum: about
 # 1.5x the single-GEMM tolerance of test_gpu_kernels.py (bf16 1.2e-2, fp16 2e-3).
 MOE_REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-# fp8_moe_w8a8 against the unquantized-activation twin (MoEKernel.reference): two per-token e4m3
+# fp8_moe_w8a8 against the unquantized-activation twin (MoEKernel.expert_twin): two per-token e4m3
 # activation roundings in the chain (x, then silu * up), each <= 2^-4 relative per element
 # (one GEMM: FP8_ACT_QUANT_REL_TOL = 6e-2 in test_gpu_kernels.py; two compound to about sqrt(2)x).
 MOE_FP8_ACT_QUANT_REL_TOL = 8e-2
@@ -290,14 +290,14 @@ def test_experts_without_tokens() -> None:
 
 def test_fp8_w8a8_close_to_unquantized_activations() -> None:
     """The twin quantizes activations per token as apply does; against unquantized activations
-    (MoEKernel.reference) the error is the two e4m3 activation roundings."""
+    (MoEKernel's twin: the dequantized experts in fp32) the error is the two e4m3 activation roundings."""
     dtype = torch.bfloat16
     k, tensors, spec = prepared("fp8_moe_w8a8", FP8_W8A8_CASES[0], dtype)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(16, H, generator=gen).to(dtype)
     ids, weights = routes(16, spec.top_k, spec.num_experts, gen)
     y = k.apply(x, ids, weights, tensors, spec)
-    unquantized = MoEKernel.reference(k, x, ids, weights, tensors, spec)
+    unquantized = routed_sum(x, ids, weights, spec, MoEKernel.expert_twin(k, tensors, spec))
     check(y, unquantized, dtype, MOE_FP8_ACT_QUANT_REL_TOL, "vs unquantized activations")
 
 
