@@ -1,41 +1,27 @@
-"""Writes small, real Kiln artifacts for runtime tests without the converter.
+"""Small, real Kiln artifacts for the runtime tests, made by the converter.
 
-A tiny random Hugging Face model (transformers' own classes, so it doubles as the reference) is
-split per TP rank by the runtime's own layout rules (runtime/model_layout.py: q/k/v and gate/up rows
-column-parallel, o/down columns row-parallel), prepared by the `dense` kernel, and written as
-rank{r}.safetensors + config/tokenizer files + manifest.json (last), following
-runtime/artifact/manifest.py.
+A tiny random Hugging Face model (transformers' own classes, so it doubles as the reference) is saved
+as a checkpoint directory with a byte-level tokenizer and converted by services.convert.library.
+Tests that need an odd artifact take a converted one and alter a copy (the helpers at the end).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from kernels.base import DenseWeight, LinearSpec, ShardSpec, Target
-from kernels.registry import get_kernel
-from runtime.artifact.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    LayerEntry,
-    Manifest,
-    SourceInfo,
-    Verification,
-    artifact_id,
-    sha256_file,
-    source_digest,
-)
-from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
+from runtime.artifact.manifest import MANIFEST_NAME
+from services.convert.library import ConversionRequest, convert
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -135,22 +121,18 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> PreTr
     return model.eval()
 
 
-def _rank_weight(
-    sd: dict[str, torch.Tensor], layout: LinearLayout, cfg: ModelConfig, rank: int, tp: int, suffix: str
-) -> torch.Tensor | None:
-    """This rank's slice of a (fused) layer's weight or bias, following runtime.model_layout."""
-    parts = []
-    for shard in layout.shards:
-        t = sd.get(f"{shard.module}.{suffix}")
-        if t is None:
-            return None
-        if layout.row_parallel and tp > 1:
-            per = layout.k // tp
-            parts.append(t[:, rank * per : (rank + 1) * per] if suffix == "weight" else t)
-        else:
-            r = shard_rows(shard, layout, cfg, rank, tp)
-            parts.append(t[r.start : r.start + r.size])
-    return torch.cat(parts)
+def save_checkpoint(model: PreTrainedModel, out: Path, *, lm_head_layer: bool = False) -> Path:
+    """`model` as a Hugging Face checkpoint directory (weights in the model's dtype, config, generation
+    config, tokenizer). With `lm_head_layer`, a tied model's checkpoint also stores lm_head.weight (as
+    some real tied checkpoints do), which the converter turns into an lm_head linear layer."""
+    model.save_pretrained(str(out))
+    write_tokenizer(out)
+    if lm_head_layer:
+        weights = out / "model.safetensors"
+        tensors = load_file(str(weights))
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"].clone())
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+    return out
 
 
 def write_artifact(
@@ -161,106 +143,13 @@ def write_artifact(
     target: str = "cpu",
     lm_head_layer: bool = False,
 ) -> Path:
-    """Write `model` as an artifact under out_root/<artifact_id>/ and return that directory."""
-    cfg = model.config
-    sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
-    if lm_head_layer and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    layout_cfg = ModelConfig.from_hf({**cfg.to_dict(), "architectures": [type(model).__name__]})
-    dense = get_kernel("dense")
-    layers: dict[str, LayerEntry] = {}
-    rank_tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for layout in linear_layouts(layout_cfg, lm_head_layer):
-        shape = rank_shape(layout, layout_cfg, 0, tp)
-        has_bias = all(f"{s.module}.bias" in sd for s in layout.shards)
-        spec = LinearSpec(
-            name=layout.name,
-            scheme="dense",
-            n=shape.n,
-            k=shape.k,
-            k_full=layout.k,
-            bits=32,
-            row_parallel=layout.row_parallel and tp > 1,
-            has_bias=has_bias,
-            act_dtype="float32",
-            shards=tuple(
-                ShardSpec(s.module, size) for s, size in zip(layout.shards, shape.shard_sizes, strict=True)
-            )
-            if layout.fused
-            else (),
-        )
-        for r in range(tp):
-            w = _rank_weight(sd, layout, layout_cfg, r, tp, "weight")
-            assert w is not None, layout.name
-            bias = _rank_weight(sd, layout, layout_cfg, r, tp, "bias") if has_bias else None
-            prepared = dense.prepare(DenseWeight(weight=w.contiguous(), bias=bias), spec, Target(target))
-            for suffix, t in prepared.items():
-                rank_tensors[r][f"{layout.name}.{suffix}"] = t.contiguous().clone()
-        layers[layout.name] = LayerEntry(
-            kernel=dense.name,
-            layout_version=dense.layout_version,
-            spec=spec.to_json(),
-            tensors=sorted(dense.stored_tensors(spec, Target(target))),
-        )
-
-    other = ["model.embed_tokens.weight", "model.norm.weight"]
-    other += [
-        f"model.layers.{i}.{n}.weight"
-        for i in range(cfg.num_hidden_layers)
-        for n in ("input_layernorm", "post_attention_layernorm")
-    ]
-    if not lm_head_layer and not cfg.tie_word_embeddings:
-        other.append("lm_head.weight")
-    for r in range(tp):
-        for name in other:
-            rank_tensors[r][name] = sd[name]
-
-    hf_config = cfg.to_dict()
-    hf_config["architectures"] = [type(model).__name__]
-    weights_digest = hashlib.sha256(sd["model.embed_tokens.weight"].numpy().tobytes()).hexdigest()
-    src_files = {
-        "config.json": hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest(),
-        "model.safetensors": weights_digest,
-    }
-    options = {"lm_head_layer": lm_head_layer}
-    aid = artifact_id(source_digest(src_files), target, tp, "auto", {"dense": dense.layout_version}, options)
-    out = out_root / aid
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    write_tokenizer(out)
-    files: list[FileEntry] = []
-    for r in range(tp):
-        name = f"rank{r}.safetensors"
-        save_file(rank_tensors[r], str(out / name))
-        files.append(
-            FileEntry(name=name, size=(out / name).stat().st_size, sha256=sha256_file(out / name), rank=r)
-        )
-    for path in sorted(out.iterdir()):
-        if path.suffix != ".safetensors":
-            files.append(FileEntry(name=path.name, size=path.stat().st_size, sha256=sha256_file(path)))
-    manifest = Manifest(
-        artifact_id=aid,
-        kiln_version="test",
-        created_at=dt.datetime.now(dt.UTC).isoformat(),
-        source=SourceInfo(
-            uri="memory://tiny", format="dense", digest=source_digest(src_files), files=src_files
-        ),
-        target=target,
-        tp=tp,
-        method="auto",
-        options=options,
-        architecture=type(model).__name__,
-        act_dtype="float32",
-        hf_config=hf_config,
-        layers=layers,
-        other_tensors=other,
-        files=files,
-        verification=Verification(ok=True, layers_checked=0, layers_exact=0, max_rel_err=0.0, seconds=0.0),
-    )
-    (out / MANIFEST_NAME).write_bytes(manifest.to_json_bytes())
-    return out
+    """Convert `model` with the converter into the store out_root and return the artifact's directory
+    (out_root/<artifact_id>/). An untied model always gets an lm_head layer; a tied one only with
+    `lm_head_layer`."""
+    with tempfile.TemporaryDirectory(prefix="kiln-tiny-checkpoint-") as tmp:
+        checkpoint = save_checkpoint(model, Path(tmp), lm_head_layer=lm_head_layer)
+        (result,) = convert(ConversionRequest(str(checkpoint), [target], tp=tp, out=str(out_root)))
+    return out_root / result.artifact_id
 
 
 # ---- edited copies (tampering tests) ----------------------------------------------------------

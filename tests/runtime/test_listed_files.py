@@ -72,6 +72,7 @@ def test_an_unlisted_generation_config_is_not_read(
 ) -> None:
     art = copy_artifact(llama_artifact[1], tmp_path)
     (art / "generation_config.json").write_text("[1, 2]")
+    unlist_file(art, "generation_config.json")
     assert load_model(art).eos_token_ids == (EOS_ID,)
 
 
