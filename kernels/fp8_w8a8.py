@@ -18,6 +18,7 @@ accumulation order; the error against unquantized activations is bounded separat
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 from functools import cache
 from typing import Any, ClassVar
@@ -46,7 +47,64 @@ MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor for dyna
 FP8 = torch.float8_e4m3fn
 
 
-class Fp8W8A8Kernel(LinearKernel):
+class TokenScaledKernel(LinearKernel):
+    """A W8A8 kernel on 1-byte operands (fp8_w8a8, int8_w8a8): the (N, K) `weight_dtype` weight,
+    `weight_scale` (1,) per-tensor or (N,) per-channel fp32 multipliers, the bias in the act dtype;
+    activations quantized per token by `quantize` (Triton) in `apply` and by `quantize_reference`
+    (torch, the same bytes) in the twin; the GEMM is `token_scaled_gemm`. A subclass states its
+    weights' rules in `supports` before this class's and quantizes the weight (`quantized_weight`)."""
+
+    weight_dtype: ClassVar[torch.dtype]
+
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if reason := act_dtype_reason(spec.act_dtype, self.name):
+            return False, reason
+        if spec.k % 16 or spec.n % 16:
+            return False, f"{self.name} needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
+        return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        scales = 1 if spec.fp8_strategy == "tensor" else spec.n
+        out = {
+            "weight": StoredTensor((spec.n, spec.k), self.weight_dtype),
+            "weight_scale": StoredTensor((scales,), torch.float32),
+        }
+        return with_bias(out, spec, spec.torch_act_dtype)
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+        qweight, scale = self.quantized_weight(weight, spec)
+        out = {"weight": qweight, "weight_scale": scale}
+        if weight.bias is not None:
+            out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()
+        return out
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        w = tensors["weight"]
+        return (w.cpu().float() * tensors["weight_scale"].cpu().float().reshape(-1, 1)).to(w.device)  # (N, K)
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        if not runs_triton(x):
+            return self.reference(x, tensors, spec)
+        return token_scaled_gemm(x, self.quantize, tensors, spec, kernel=self.name)
+
+    def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        """Torch twin: the same per-token activation quantization, dequantized weight, fp32 matmul."""
+        return token_quantized_reference(self, self.quantize_reference, x, tensors, spec)
+
+    @abstractmethod
+    def quantized_weight(self, weight: SourceWeight, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (weight (N, K) `weight_dtype`, weight_scale (1,) or (N,) fp32) of a layer."""
+
+    @abstractmethod
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, K) activations -> (q (M, K) 1-byte, scale (M,) fp32) by the Triton kernel `apply` runs."""
+
+    @abstractmethod
+    def quantize_reference(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize` in torch, byte for byte (the twin's)."""
+
+
+class Fp8W8A8Kernel(TokenScaledKernel):
     name: ClassVar[str] = "fp8_w8a8"
     vllm_kernel: ClassVar[str] = "cutlass_scaled_mm"
     layout_version: ClassVar[int] = 1
@@ -56,6 +114,7 @@ class Fp8W8A8Kernel(LinearKernel):
     description: ClassVar[str] = (
         "FP8 e4m3 W8A8, per-tensor/channel weight scales, dynamic per-token activations"
     )
+    weight_dtype: ClassVar[torch.dtype] = FP8
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.fp8_strategy not in ("tensor", "channel"):
@@ -63,49 +122,23 @@ class Fp8W8A8Kernel(LinearKernel):
                 f"fp8_w8a8 takes per-tensor or per-channel weight scales, not {spec.fp8_strategy!r}; "
                 "block-scaled FP8 goes to fp8_marlin or fp8_w8a16"
             )
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
-            return False, reason
-        if spec.k % 16 or spec.n % 16:
-            return False, f"fp8_w8a8 needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
-        return True, ""
+        return super().supports(spec, target)
 
-    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
-        scales = 1 if spec.fp8_strategy == "tensor" else spec.n
-        out = {
-            "weight": StoredTensor((spec.n, spec.k), torch.float8_e4m3fn),
-            "weight_scale": StoredTensor((scales,), torch.float32),
-        }
-        return with_bias(out, spec, spec.torch_act_dtype)
-
-    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+    def quantized_weight(self, weight: SourceWeight, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor]:
         weight = self.prepare_input(weight, Fp8Weight, spec)
         if weight.strategy == "tensor":
             fused = weight.scale.numel() > 1
             w = requantize_to_max_scale(weight) if fused else weight
-            out = {"weight": w.weight.contiguous(), "weight_scale": w.scale.float().reshape(1)}
-        elif weight.strategy == "channel":
-            out = {"weight": weight.weight.contiguous(), "weight_scale": weight.scale.float().reshape(spec.n)}
-        else:
-            raise LayoutError(
-                f"{spec.name}: fp8_w8a8 cannot take {weight.strategy!r} scales (use fp8_marlin)"
-            )
-        if weight.bias is not None:
-            out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()
-        return out
+            return w.weight.contiguous(), w.scale.float().reshape(1)
+        if weight.strategy == "channel":
+            return weight.weight.contiguous(), weight.scale.float().reshape(spec.n)
+        raise LayoutError(f"{spec.name}: fp8_w8a8 cannot take {weight.strategy!r} scales (use fp8_marlin)")
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        s = tensors["weight_scale"].float().cpu()
-        s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(1, 1)
-        return (tensors["weight"].cpu().float() * s).to(tensors["weight"].device)  # (N, K) fp32
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_token(x2)
 
-    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        if not runs_triton(x):
-            return self.reference(x, tensors, spec)
-        return fp8_w8a8_gemm(x, tensors, spec)
-
-    def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        """Torch twin: per-token fp8 activation quantization, dequantized weight, fp32 matmul."""
-        return token_quantized_reference(self, quantize_per_token_reference, x, tensors, spec)
+    def quantize_reference(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_token_reference(x2)
 
 
 def quantize_per_token_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,14 +151,22 @@ def quantize_per_token_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton per-token quantization (one program per row); same bytes as the reference."""
+    return quantize_rows(x2, FP8, _quant_kernel(), INTERPRET=interpreter_enabled())
+
+
+def quantize_rows(
+    x2: torch.Tensor, dtype: torch.dtype, kernel: Any, *args: Any, **constexprs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a per-token quantization kernel, one program per row of x2 (M, K):
+    kernel[(M,)](X, Q, S, K, *args, BLOCK=..., **constexprs) -> (q (M, K) `dtype`, scale (M,) fp32)."""
     m, k = x2.shape
-    q = torch.empty(m, k, device=x2.device, dtype=FP8)
+    q = torch.empty(m, k, device=x2.device, dtype=dtype)
     scale = torch.empty(m, device=x2.device, dtype=torch.float32)
     if m == 0:
         return q, scale
     triton, _ = import_triton()
     block = min(triton.next_power_of_2(k), 4096)
-    _quant_kernel()[(m,)](x2, q, scale, k, BLOCK=block, INTERPRET=interpreter_enabled())
+    kernel[(m,)](x2, q, scale, k, *args, BLOCK=block, **constexprs)
     return q, scale
 
 
@@ -178,18 +219,31 @@ def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: Line
 
 
 @cache
-def _quant_kernel() -> Any:
+def row_amax_tile() -> Any:
+    """`@triton.jit` row_amax: max |x| over row `row` of the row-major (M, K) X, in BLOCK steps (fp32),
+    the first pass of every per-token quantization kernel."""
     _, tl = import_triton()
 
-    def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def row_amax(X, row, K, BLOCK: tl.constexpr):
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
+        return tl.max(amax, axis=0)
+
+    return jit(row_amax)
+
+
+@cache
+def _quant_kernel() -> Any:
+    _, tl = import_triton()
+    row_amax = row_amax_tile()
+
+    def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
         # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1.0 / (448.0 * 512.0))
+        scale = tl.maximum(tl.div_rn(row_amax(X, row, K, BLOCK), 448.0), 1.0 / (448.0 * 512.0))
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)

@@ -24,15 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import (
-    LinearKernel,
-    LinearSpec,
-    SourceWeight,
-    StoredTensor,
-    Target,
-    token_quantized_reference,
-    with_bias,
-)
+from kernels.base import LinearSpec, SourceWeight, Target
 from kernels.codecs.int8 import (
     INT8_MAX,
     MIN_AMAX,
@@ -40,14 +32,14 @@ from kernels.codecs.int8 import (
     quantize_per_token_int8,
     symmetric_channelwise_int8,
 )
-from kernels.fp8_w8a8 import token_scaled_gemm
-from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.fp8_w8a8 import TokenScaledKernel, quantize_rows, row_amax_tile
+from kernels.jit import import_triton, jit
 from kernels.targets import gpu_targets
 
 ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer, half to even
 
 
-class Int8W8A8Kernel(LinearKernel):
+class Int8W8A8Kernel(TokenScaledKernel):
     name: ClassVar[str] = "int8_w8a8"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
@@ -56,73 +48,40 @@ class Int8W8A8Kernel(LinearKernel):
     description: ClassVar[str] = (
         "int8 W8A8: channelwise int8 weights x dynamic per-token int8 activations, int32 accumulation"
     )
+    weight_dtype: ClassVar[torch.dtype] = torch.int8
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if not spec.int8_activations:
             return False, "int8_w8a8 takes layers calibrated for int8 activations only (W8A16 kernels run it)"
         if spec.bits != 8 or not spec.symmetric or spec.group_size not in (-1, 0, spec.k):
             return False, "int8_w8a8 takes symmetric channelwise 8-bit weights only"
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
-            return False, reason
-        if spec.k % 16 or spec.n % 16:
-            return False, f"int8_w8a8 needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
-        return True, ""
+        return super().supports(spec, target)
 
-    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
-        out = {
-            "weight": StoredTensor((spec.n, spec.k), torch.int8),
-            "weight_scale": StoredTensor((spec.n,), torch.float32),
-        }
-        return with_bias(out, spec, spec.torch_act_dtype)
-
-    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+    def quantized_weight(self, weight: SourceWeight, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor]:
         qweight, scales = symmetric_channelwise_int8(weight, spec, self.name)
-        out = {"weight": qweight, "weight_scale": scales.float().contiguous()}
-        bias = getattr(weight, "bias", None)
-        if bias is not None:
-            out["bias"] = bias.to(spec.torch_act_dtype).contiguous()
-        return out
+        return qweight, scales.float().contiguous()
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        w = tensors["weight"].cpu().float() * tensors["weight_scale"].cpu().float()[:, None]
-        return w.to(tensors["weight"].device)  # (N, K) fp32
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_token(x2)
 
-    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        if not runs_triton(x):
-            return self.reference(x, tensors, spec)
-        return token_scaled_gemm(x, quantize_per_token, tensors, spec, kernel=self.name)
-
-    def reference(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        """Torch twin: per-token int8 activation quantization, dequantized weight, fp32 matmul."""
-        return token_quantized_reference(self, quantize_per_token_int8, x, tensors, spec)
+    def quantize_reference(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_token_int8(x2)
 
 
 def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton per-token int8 quantization (one program per row); same bytes as the torch reference."""
-    m, k = x2.shape
-    q = torch.empty(m, k, device=x2.device, dtype=torch.int8)
-    scale = torch.empty(m, device=x2.device, dtype=torch.float32)
-    if m == 0:
-        return q, scale
-    triton, _ = import_triton()
-    block = min(triton.next_power_of_2(k), 4096)
-    _quant_kernel()[(m,)](x2, q, scale, k, MIN_AMAX, SCALE_DIVISOR, INT8_MAX, ROUND_MAGIC, BLOCK=block)
-    return q, scale
+    return quantize_rows(x2, torch.int8, _quant_kernel(), MIN_AMAX, SCALE_DIVISOR, INT8_MAX, ROUND_MAGIC)
 
 
 @cache
 def _quant_kernel() -> Any:
     _, tl = import_triton()
+    row_amax = row_amax_tile()
 
     def int8_per_token_quant_kernel(X, Q, S, K, min_amax, divisor, qmax, magic, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
         # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), divisor)
+        scale = tl.div_rn(tl.maximum(row_amax(X, row, K, BLOCK), min_amax), divisor)
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
