@@ -377,6 +377,14 @@ class LinearKernel(ABC):
         return y.to(x.dtype)
 
 
+class CpuKernel(LinearKernel):
+    """A kernel of the cpu target alone (cpu_int4, cpu_int8, cpu_w8a8, cpu_fp8): torch's CPU ops,
+    whose fast paths take bf16 activations."""
+
+    targets: ClassVar[frozenset[Target]] = frozenset({Target.CPU})
+    cpu_act_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
 TokenQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

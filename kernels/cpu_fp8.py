@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import CpuKernel, Fp8Weight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 
 
 def widened_dtype(spec: LinearSpec) -> torch.dtype:
@@ -47,12 +47,10 @@ def widened_dtype(spec: LinearSpec) -> torch.dtype:
     return torch.float32 if spec.act_dtype == "float32" else torch.bfloat16
 
 
-class CpuFp8Kernel(LinearKernel):
+class CpuFp8Kernel(CpuKernel):
     name = "cpu_fp8"
     layout_version = 1
     schemes = frozenset({"fp8"})
-    targets = frozenset({Target.CPU})
-    cpu_act_dtype = torch.bfloat16
     description = "FP8 e4m3 widened to bf16 (exact) with fp32 per-channel post-scale; block scales: fp32"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:

@@ -40,7 +40,7 @@ from functools import cache
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import CpuKernel, IntWeight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 
 log = logging.getLogger(__name__)
@@ -159,12 +159,10 @@ def request_amx_permission() -> bool:
     return bool(torch.cpu._init_amx())
 
 
-class CpuInt4Kernel(LinearKernel):
+class CpuInt4Kernel(CpuKernel):
     name = "cpu_int4"
     layout_version = 1
     schemes = frozenset({"int"})
-    targets = frozenset({Target.CPU})
-    cpu_act_dtype = torch.bfloat16
     description = "4-bit weight-only, torch's CPU int4 pack + _weight_int4pack_mm_for_cpu (bf16 activations)"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:

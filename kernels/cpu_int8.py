@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import CpuKernel, IntWeight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.int8 import symmetric_channelwise_int8
 
 DEQUANT_MIN_M = 32  # from this many rows on, one bf16 GEMM on the widened weight beats the op
@@ -46,12 +46,10 @@ def op_aligned(qweight: torch.Tensor) -> torch.Tensor:
     return qweight.clone() if qweight.data_ptr() % OP_WEIGHT_ALIGNMENT else qweight
 
 
-class CpuInt8Kernel(LinearKernel):
+class CpuInt8Kernel(CpuKernel):
     name = "cpu_int8"
     layout_version = 1
     schemes = frozenset({"int"})
-    targets = frozenset({Target.CPU})
-    cpu_act_dtype = torch.bfloat16
     scale_dtype: torch.dtype = torch.bfloat16  # what the op multiplies by (it takes x's dtype)
     description = "8-bit symmetric channelwise weight-only, aten._weight_int8pack_mm (bf16 activations)"
 
