@@ -19,7 +19,7 @@ The weight byte of element (k, n) is found with marlin_wna16's 8-bit closed form
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -29,7 +29,7 @@ from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
 from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
-from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
     MARLIN_SUPPORTED_GROUP_SIZES,
@@ -142,9 +142,8 @@ def _marlin_scales(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
     return s.T.repeat_interleave(bn, dim=1)[:, :n].contiguous()  # (K / bk, N)
 
 
-@cache
-def _kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
     e4m3_to_f32 = fp8_tiles()[0]

@@ -11,17 +11,16 @@ accumulator) or e4m3 (fp32), WS per output channel (PER_CHANNEL) or one.
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any
 
 from kernels.gemm import operand_tiles
-from kernels.jit import import_triton, jit
+from kernels.jit import jit, triton_builder
 
 
-@cache
-def fp8_tiles() -> tuple[Any, Any, Any]:
+@triton_builder
+def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
     """(e4m3_to_f32, e4m3_gemm, token_scaled_gemm), see the module docstring."""
-    _, tl = import_triton()
     x_tile, kmajor_tile = operand_tiles()
 
     def e4m3_to_f32(b):

@@ -19,7 +19,7 @@ each K block's partial dot (BLOCK_K divides bk) before it is accumulated.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +28,7 @@ from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Stor
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
 from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
-from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, largest_block_dividing
 from kernels.targets import GPU_TARGETS
 
@@ -145,9 +145,8 @@ def fit_to_fp8_blocks(cfg: GemmConfig, spec: LinearSpec) -> tuple[GemmConfig, bo
     return cfg, block, (bn, bk)
 
 
-@cache
-def _kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     e4m3_gemm = fp8_tiles()[1]
 

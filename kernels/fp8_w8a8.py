@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +39,7 @@ from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
 from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
-from kernels.jit import act_dtype_reason, import_triton, interpreter_enabled, jit, runs_triton
+from kernels.jit import act_dtype_reason, import_triton, interpreter_enabled, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config
 from kernels.targets import gpu_targets
 
@@ -218,11 +218,10 @@ def scaled_mm_gemm(x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: Line
     return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
 
 
-@cache
-def row_amax_tile() -> Any:
+@triton_builder
+def row_amax_tile(tl: ModuleType) -> Any:
     """`@triton.jit` row_amax: max |x| over row `row` of the row-major (M, K) X, in BLOCK steps (fp32),
     the first pass of every per-token quantization kernel."""
-    _, tl = import_triton()
 
     def row_amax(X, row, K, BLOCK: tl.constexpr):
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -235,9 +234,8 @@ def row_amax_tile() -> Any:
     return jit(row_amax)
 
 
-@cache
-def _quant_kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _quant_kernel(tl: ModuleType) -> Any:
     row_amax = row_amax_tile()
 
     def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
@@ -264,9 +262,8 @@ def _quant_kernel() -> Any:
     return jit(fp8_per_token_quant_kernel)
 
 
-@cache
-def _gemm_kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _gemm_kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     token_scaled = fp8_tiles()[2]
 

@@ -10,12 +10,12 @@ tile (grid axis 0) of one K split (grid axis 1); a grouped MoE GEMM owns one exp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from kernels.jit import bf16_interpreter, check_act_dtype, import_triton, jit
+from kernels.jit import bf16_interpreter, check_act_dtype, import_triton, jit, triton_builder
 from kernels.launch import GemmConfig, launch_options
 
 
@@ -85,14 +85,13 @@ def empty_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n)
 
 
-@cache
-def gemm_tiles() -> tuple[Any, Any]:
+@triton_builder
+def gemm_tiles(tl: ModuleType) -> tuple[Any, Any]:
     """(gemm_program, store_tile), the `@triton.jit` frame of a plain GEMM kernel:
     `gemm_program`: this program's output rows / columns and their masks (grid axis 0 = M x N tiles),
     its K split (grid axis 1) and that split's K iterations [k_begin, k_end);
     `store_tile`: add the bias once (first K split), then store the fp32 tile in Y's dtype, or
     atomically add it under split-K."""
-    _, tl = import_triton()
 
     def gemm_program(
         M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr
@@ -125,13 +124,12 @@ def gemm_tiles() -> tuple[Any, Any]:
     return jit(gemm_program), jit(store_tile)
 
 
-@cache
-def operand_tiles() -> tuple[Any, Any]:
+@triton_builder
+def operand_tiles(tl: ModuleType) -> tuple[Any, Any]:
     """(x_tile, kmajor_tile), `@triton.jit` loads of one K step:
     `x_tile`: K iteration `it` of the activations, rows `rows` of the row-major (M, K) X, with its
     K offsets and mask; fp32 under BF16_INTERP;
     `kmajor_tile`: the (BLOCK_K, BLOCK_N) view of the K-major (N, K) weight W at those K offsets."""
-    _, tl = import_triton()
 
     def x_tile(X, rows, mask_m, it, K, BLOCK_K: tl.constexpr, BF16_INTERP: tl.constexpr):
         offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -149,13 +147,12 @@ def operand_tiles() -> tuple[Any, Any]:
     return jit(x_tile), jit(kmajor_tile)
 
 
-@cache
-def grouped_dot_tile() -> Any:
+@triton_builder
+def grouped_dot_tile(tl: ModuleType) -> Any:
     """`@triton.jit` grouped_dot: acc + x @ dequant(q) for one K step of integer codes q (BLOCK_K,
     BLOCK_N): one scale row per K block (PER_BLOCK_SCALE, applied to the dot's result) or scales
     gathered per element (act-order, odd groups); zero points packed along N (word zp_col, field
     zp_shift, rows of zp_stride words) or 2 ** (BITS - 1)."""
-    _, tl = import_triton()
 
     def grouped_dot(
         acc, x, q, S, ZP, GIDX, it, offs_k, mask_k, mask_n, s_col, zp_col, zp_shift, zp_stride, N, group_size,

@@ -16,7 +16,7 @@ is row-parallel, as vLLM keeps them).
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
 from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
-from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.targets import GPU_TARGETS
 
@@ -108,9 +108,8 @@ class GptqWNA16Kernel(LinearKernel):
         return gptq_wna16_gemm(x, tensors, spec)
 
 
-@cache
-def _kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
     grouped_dot = grouped_dot_tile()

@@ -19,7 +19,7 @@ fp32 epilogue's rounding (the int32 accumulator is exact).
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -33,7 +33,7 @@ from kernels.codecs.int8 import (
     symmetric_channelwise_int8,
 )
 from kernels.fp8_w8a8 import TokenScaledKernel, quantize_rows, row_amax_tile
-from kernels.jit import import_triton, jit
+from kernels.jit import jit, triton_builder
 from kernels.targets import gpu_targets
 
 ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer, half to even
@@ -73,9 +73,8 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x2, torch.int8, _quant_kernel(), MIN_AMAX, SCALE_DIVISOR, INT8_MAX, ROUND_MAGIC)
 
 
-@cache
-def _quant_kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _quant_kernel(tl: ModuleType) -> Any:
     row_amax = row_amax_tile()
 
     def int8_per_token_quant_kernel(X, Q, S, K, min_amax, divisor, qmax, magic, BLOCK: tl.constexpr):

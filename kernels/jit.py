@@ -13,8 +13,8 @@ of rounding to nearest even. Kernels therefore take a ``BF16_INTERP`` constexpr 
 under it the dot runs on fp32 operands and the fp32 result is rounded to bf16 (RNE) on its bits
 before the store. On a GPU the flag is off and the dot runs on bf16 tensor cores.
 
-Kernels are written inside a cached builder (`tl` and the `@triton.jit` helpers they call are the
-builder's locals) and compiled with `jit`.
+Kernels are written inside a builder (`triton_builder`: built once, on first use; `tl` and the
+`@triton.jit` helpers they call are the builder's locals) and compiled with `jit`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Callable
-from functools import cache
+from functools import cache, wraps
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from kernels.errors import UnsupportedError
 
 ACT_DTYPES = ("bfloat16", "float16")
+B = TypeVar("B")
 
 
 def interpreter_enabled() -> bool:
@@ -57,6 +58,19 @@ def import_triton() -> tuple[ModuleType, ModuleType]:
             "the GPU kernels need Triton: pip install 'kiln[triton]' (triton==3.7.1)"
         ) from exc
     return triton, tl
+
+
+def triton_builder(build: Callable[[ModuleType], B]) -> Callable[[], B]:
+    """A kernel builder (module docstring): `build(tl)` defines `@triton.jit` kernels or pieces with
+    Triton's language module and returns them. It runs on the first call only (importing the module
+    that declares it imports no Triton), later calls return what it built."""
+
+    @cache
+    @wraps(build)
+    def built() -> B:
+        return build(import_triton()[1])
+
+    return built
 
 
 def jit(fn: Callable[..., Any]) -> Any:

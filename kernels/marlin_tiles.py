@@ -10,17 +10,16 @@ QW / S / ZP / GIDX point at one layer's (one expert's) tensors.
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any
 
 from kernels.gemm import grouped_dot_tile
-from kernels.jit import import_triton, jit
+from kernels.jit import jit, triton_builder
 
 
-@cache
-def marlin_tiles() -> tuple[Any, Any, Any]:
+@triton_builder
+def marlin_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
     """(marlin_n_terms, marlin_codes, marlin_dot), see the module docstring."""
-    _, tl = import_triton()
     grouped_dot = grouped_dot_tile()
 
     def marlin_n_terms(offs_n, BITS: tl.constexpr, GROUPED_SCALES: tl.constexpr):

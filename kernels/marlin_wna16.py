@@ -24,7 +24,7 @@ column n is field (j // 2 + 4 (j % 2)), j = (n % 64) // 8, of word 8 (n // 64) +
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
-from kernels.jit import act_dtype_reason, import_triton, jit, runs_triton
+from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
     check_marlin_shape,
@@ -136,9 +136,8 @@ def grouped_scales(spec: LinearSpec) -> bool:
     return spec.group_size not in (-1, 0) and spec.group_size < spec.k
 
 
-@cache
-def _kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
     marlin_n_terms, _, marlin_dot = marlin_tiles()

@@ -23,7 +23,7 @@ Without the interpreter on CPU tensors `apply` runs `reference`.
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from kernels.fp8_tiles import fp8_tiles
 from kernels.fp8_w8a8 import Fp8W8A8Kernel, quantize_per_token, quantize_per_token_reference
 from kernels.fp8_w8a16 import Fp8W8A16Kernel, fit_to_fp8_blocks
-from kernels.jit import import_triton, jit
+from kernels.jit import jit, triton_builder
 from kernels.launch import TileKind
 from kernels.moe.fused import FusedExperts, PartLaunch, moe_grid, moe_tiles
 from kernels.moe_base import ExpertTwin, MoESpec, swiglu
@@ -99,9 +99,8 @@ class Fp8MoEW8A16Kernel(FusedExperts):
         )  # fmt: skip
 
 
-@cache
-def _w8a8_kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _w8a8_kernel(tl: ModuleType) -> Any:
     moe_tile, store_slots = moe_tiles()
     token_scaled = fp8_tiles()[2]
 
@@ -126,9 +125,8 @@ def _w8a8_kernel() -> Any:
     return jit(fp8_moe_w8a8_kernel)
 
 
-@cache
-def _w8a16_kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _w8a16_kernel(tl: ModuleType) -> Any:
     moe_tile, store_slots = moe_tiles()
     e4m3_gemm = fp8_tiles()[1]
 

@@ -11,7 +11,7 @@ part (`launch_part`) and builds its Triton kernel from `moe_tiles()`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -21,10 +21,10 @@ from kernels.gemm import gemm_tiles
 from kernels.jit import (
     bf16_interpreter,
     check_act_dtype,
-    import_triton,
     interpreter_enabled,
     jit,
     runs_triton,
+    triton_builder,
 )
 from kernels.launch import GemmConfig, TileKind, cuda_block_config, interpreter_config, launch_options
 from kernels.moe.align import MoERoutes, moe_align_block_size
@@ -81,14 +81,13 @@ def moe_grid(routes: MoERoutes, n: int, block_n: int) -> tuple[int, int]:
     return routes.num_blocks, -(-n // block_n)
 
 
-@cache
-def moe_tiles() -> tuple[Any, Any]:
+@triton_builder
+def moe_tiles(tl: ModuleType) -> tuple[Any, Any]:
     """(moe_tile, store_slots), the `@triton.jit` frame of a grouped MoE GEMM kernel:
     `moe_tile`: this program's block (grid axis 0) and N tile (axis 1): its local expert (-1: an
     empty block), the slots of its BLOCK_M rows, the rows of the activations they read (slot // a_div)
     with their mask, the output columns with theirs;
     `store_slots`: multiply each row by its slot's routing weight (MUL_WEIGHT), store it at y[slot]."""
-    _, tl = import_triton()
     store_tile = gemm_tiles()[1]
 
     def moe_tile(SORTED, BLOCK_EXPERT, num_slots, a_div, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

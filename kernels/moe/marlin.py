@@ -22,10 +22,10 @@ are refused (has_bias): the fused kernels do not add them.
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 from typing import Any, ClassVar
 
-from kernels.jit import import_triton, jit
+from kernels.jit import jit, triton_builder
 from kernels.launch import fit_to_groups
 from kernels.marlin_tiles import marlin_tiles
 from kernels.marlin_wna16 import MarlinWNA16Kernel, grouped_scales
@@ -59,9 +59,8 @@ class MarlinMoEKernel(FusedExperts):
         )  # fmt: skip
 
 
-@cache
-def _kernel() -> Any:
-    _, tl = import_triton()
+@triton_builder
+def _kernel(tl: ModuleType) -> Any:
     moe_tile, store_slots = moe_tiles()
     marlin_n_terms, _, marlin_dot = marlin_tiles()
 
