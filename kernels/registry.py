@@ -3,8 +3,9 @@
 Each kernel declares the targets it runs on (`LinearKernel.targets`); a target's priority list is
 `KERNELS` in order, filtered by those declarations (`PRIORITY`). `choose_kernel(spec, target)` walks
 it, skips disabled kernels and those whose `can_implement` says no, and returns the first that fits
-with every rejection recorded — or raises one `NoKernelError` naming them all (vLLM's
-`choose_mp_linear_kernel` idea).
+with every rejection recorded and whether the layer fell back because of its shape — or raises one
+`NoKernelError` naming them all (vLLM's `choose_mp_linear_kernel` idea). `choose_moe_kernel` does the
+same for expert groups.
 
 Third-party kernels register without touching Kiln: a distribution declares
 ``[project.entry-points."kiln.kernels"] my_kernel = "my_pkg.kernel:MyKernel"`` (a `LinearKernel`
@@ -14,20 +15,42 @@ Adding a built-in kernel = its file + one line in `KERNELS`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
+from typing import Generic, TypeVar
 
-from kernels.base import KernelChoice, LinearKernel, LinearSpec, Target
+from kernels.base import LinearKernel, LinearSpec, Target
 from kernels.errors import KilnError, NoKernelError
 from kernels.moe.stacked import stacked_experts
-from kernels.moe_base import MoEKernel, MoEKernelChoice, MoESpec
+from kernels.moe_base import MoEKernel, MoESpec
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kiln.kernels"
+# Shapes every kernel takes: a layer whose scheme a kernel ahead of its choice takes at this shape
+# fell back because of its own shape (Marlin's N % 64 / K % 128 rules, say), not its scheme.
+FRIENDLY_DIM = 4096
+FRIENDLY_EXPERT = (4096, 1024)  # (hidden, intermediate)
+
+
+K = TypeVar("K", LinearKernel, MoEKernel)
+S = TypeVar("S", LinearSpec, MoESpec)
+
+
+@dataclass(frozen=True)
+class KernelChoice(Generic[K]):
+    """The registry's answer for one layer or expert group: the kernel, why each kernel ahead of it
+    was skipped, and whether one of those would have taken the scheme at a kernel-friendly shape."""
+
+    kernel: K
+    rejected: list[tuple[str, str]]
+    shape_fallback: bool
+
 
 # Every built-in kernel ("module:Class"), most preferred first.
 KERNELS: tuple[str, ...] = (
@@ -109,20 +132,18 @@ def get_moe_kernel(name: str) -> MoEKernel:
     return MOE_KERNELS[name]
 
 
-def choose_moe_kernel(spec: MoESpec, target: Target, disabled: Iterable[str] = ()) -> MoEKernelChoice:
-    """First expert-group kernel for `target` that takes `spec`, with every rejection recorded."""
-    disabled_set = set(disabled)
-    rejected: list[tuple[str, str]] = []
-    for name in MOE_PRIORITY[target]:
-        kernel = MOE_KERNELS[name]
-        if name in disabled_set or kernel.based_on in disabled_set:
-            rejected.append((name, "disabled by KILN_DISABLED_KERNELS"))
-            continue
-        ok, reason = kernel.can_implement(spec, target)
-        if ok:
-            return MoEKernelChoice(kernel=kernel, rejected=rejected)
-        rejected.append((name, reason))
-    raise NoKernelError(spec.name, target.value, rejected)
+def _friendly_moe(spec: MoESpec) -> MoESpec:
+    h, i = FRIENDLY_EXPERT
+    w13 = dataclasses.replace(spec.w13, n=2 * i, k=h, k_full=h, shards=())
+    w2 = dataclasses.replace(spec.w2, n=h, k=i, k_full=i)
+    return dataclasses.replace(spec, w13=w13, w2=w2)
+
+
+def choose_moe_kernel(spec: MoESpec, target: Target, disabled: Iterable[str] = ()) -> KernelChoice[MoEKernel]:
+    """First expert-group kernel for `target` that takes `spec`, with every rejection recorded (a
+    disabled linear kernel disables the expert kernels built on it)."""
+    order = [MOE_KERNELS[name] for name in MOE_PRIORITY[target]]
+    return _choose(order, spec, _friendly_moe(spec), target, set(disabled))
 
 
 @cache
@@ -157,16 +178,40 @@ def candidates(target: Target) -> list[LinearKernel]:
     ]
 
 
-def choose_kernel(spec: LinearSpec, target: Target, disabled: Iterable[str] = ()) -> KernelChoice:
+def _friendly_linear(spec: LinearSpec) -> LinearSpec:
+    ratio = spec.k_full // spec.k if spec.k else 1
+    return dataclasses.replace(spec, n=FRIENDLY_DIM, k=FRIENDLY_DIM, k_full=FRIENDLY_DIM * ratio, shards=())
+
+
+def choose_kernel(
+    spec: LinearSpec, target: Target, disabled: Iterable[str] = ()
+) -> KernelChoice[LinearKernel]:
     """First kernel in the target's priority list that can implement `spec`, with every rejection."""
-    disabled_set = set(disabled)
+    return _choose(candidates(target), spec, _friendly_linear(spec), target, set(disabled))
+
+
+def _first_fit(
+    order: Sequence[K], spec: S, target: Target, disabled: set[str], fits: Callable[[K, S], tuple[bool, str]]
+) -> tuple[int, list[tuple[str, str]]]:
+    """Index in `order` of the first kernel that takes `spec` (-1: none), and the rejections before it."""
     rejected: list[tuple[str, str]] = []
-    for kernel in candidates(target):
-        if kernel.name in disabled_set:
+    for i, kernel in enumerate(order):
+        if kernel.name in disabled or getattr(kernel, "based_on", None) in disabled:
             rejected.append((kernel.name, "disabled by KILN_DISABLED_KERNELS"))
             continue
-        ok, reason = kernel.can_implement(spec, target)
+        ok, reason = fits(kernel, spec)
         if ok:
-            return KernelChoice(kernel=kernel, rejected=rejected)
+            return i, rejected
         rejected.append((kernel.name, reason))
-    raise NoKernelError(spec.name, target.value, rejected)
+    return -1, rejected
+
+
+def _choose(order: Sequence[K], spec: S, friendly: S, target: Target, disabled: set[str]) -> KernelChoice[K]:
+    def fits(kernel: K, s: S) -> tuple[bool, str]:
+        return kernel.can_implement(s, target)  # type: ignore[arg-type]
+
+    chosen, rejected = _first_fit(order, spec, target, disabled, fits)
+    if chosen < 0:
+        raise NoKernelError(spec.name, target.value, rejected)
+    preferred, _ = _first_fit(order, friendly, target, disabled, fits)
+    return KernelChoice(order[chosen], rejected, shape_fallback=0 <= preferred < chosen)

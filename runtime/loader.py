@@ -8,7 +8,6 @@ copied once, host to device, straight from the mapping. The safetensors header i
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import mmap
@@ -21,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.base import LinearKernel, LinearSpec, Target, check_stored
-from kernels.errors import KilnError, LayoutError
-from kernels.moe_base import MoEKernel, MoESpec
+from kernels.base import LinearKernel, Target
+from kernels.errors import KilnError
+from kernels.moe_base import MoEKernel
 from kernels.registry import get_kernel, get_moe_kernel
 from runtime.artifact.listed_files import ListedFileError, ListedFiles
-from runtime.artifact.manifest import LayerEntry, Manifest, artifact_file
+from runtime.artifact.manifest import Manifest, artifact_file
 from runtime.artifact.model_values import HF_CONFIG, checked_model_config
 from runtime.artifact.safetensors_header import (
     DTYPES,
@@ -35,30 +34,22 @@ from runtime.artifact.safetensors_header import (
     validate_header,
 )
 from runtime.kv_cache import KvCacheDtype
+from runtime.load_errors import ARTIFACT_FIX, LoadError
 from runtime.model import LlamaForCausalLM, residual_dtype
-from runtime.model_layout import (
-    ExpertGroupLayout,
-    LinearLayout,
-    ModelConfig,
-    expert_groups,
-    expert_placement,
-    linear_layouts,
-    rank_shape,
-)
+from runtime.model_layout import ModelConfig
 from runtime.tokenizer import load_tokenizer
+from runtime.unit_checks import (
+    CheckedExpertGroup,
+    CheckedLinear,
+    checked_expert_groups,
+    checked_linear_layers,
+)
 
 log = logging.getLogger(__name__)
 
 
-class LoadError(KilnError):
-    """The artifact's files do not match its manifest or the model it describes."""
-
-
 class CorruptRankFileError(LoadError, SafetensorsFormatError):
     """A rank file's safetensors header is malformed (the artifact is corrupt or was tampered with)."""
-
-
-ARTIFACT_FIX = "the artifact is corrupt: delete it from the cache and pull it again, or re-convert"
 
 
 class TargetMismatchError(KilnError):
@@ -224,68 +215,6 @@ def eos_token_ids(files: ListedFiles, hf_config: dict[str, Any], tokenizer: Any)
     return tuple(sorted(ids))
 
 
-def config_dimensions(cfg: ModelConfig) -> str:
-    """The model config's dimensions, as its fields are named (for errors about shapes)."""
-    dims = (
-        f"hidden_size = {cfg.hidden_size}, intermediate_size = {cfg.intermediate_size}, "
-        f"num_attention_heads = {cfg.num_heads}, num_key_value_heads = {cfg.num_kv_heads}, "
-        f"head_dim = {cfg.head_dim}, vocab_size = {cfg.vocab_size}"
-    )
-    if cfg.moe is not None:
-        dims += f", experts = {cfg.moe.num_experts} of intermediate size {cfg.moe.intermediate_size}"
-    return dims
-
-
-def check_layer_shape(
-    name: str, spec: LinearSpec, layout: LinearLayout, cfg: ModelConfig, rank: int, world_size: int
-) -> None:
-    """The manifest's spec of a layer against the shape the model config gives it on this rank."""
-    want = rank_shape(layout, cfg, rank, world_size)
-    got_shards = tuple(s.size for s in spec.shards) or (spec.n,)
-    problems = []
-    if spec.name != name:
-        problems.append(f"spec names layer {spec.name!r}")
-    if (spec.n, spec.k, spec.k_full) != (want.n, want.k, layout.k):
-        problems.append(
-            f"spec has N={spec.n}, K={spec.k} (whole K {spec.k_full}); the model config gives "
-            f"N={want.n}, K={want.k} (whole K {layout.k}) on rank {rank} of {world_size} "
-            f"({HF_CONFIG}: {config_dimensions(cfg)})"
-        )
-    elif got_shards != want.shard_sizes:
-        problems.append(f"shard sizes {list(got_shards)}, the model config gives {list(want.shard_sizes)}")
-    if spec.row_parallel != (layout.row_parallel and world_size > 1):
-        problems.append(f"row_parallel={spec.row_parallel} does not fit this layer at tp={world_size}")
-    if problems:
-        raise LoadError(f"manifest layer {name}: {'; '.join(problems)}; {ARTIFACT_FIX}")
-
-
-def check_layer_tensors(
-    name: str,
-    entry: LayerEntry,
-    spec: LinearSpec,
-    declared: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    rank: int,
-) -> None:
-    """A layer's tensors in rank `rank`'s files against what its kernel declares for its spec."""
-    listed = set(entry.tensors)
-    absent = sorted(listed - set(tensors))
-    if absent:
-        raise LoadError(
-            f"tensor {name}.{absent[0]} (kernel {entry.kernel}) is missing from rank {rank}'s files"
-        )
-    undeclared = sorted(listed - set(declared))
-    if undeclared:
-        raise LoadError(
-            f"manifest layer {name} lists tensor {undeclared[0]!r}, which kernel {entry.kernel} does not "
-            f"store (it stores {sorted(declared)}); {ARTIFACT_FIX}"
-        )
-    try:
-        check_stored(entry.kernel, spec, declared, tensors)
-    except LayoutError as e:
-        raise LoadError(f"{e}; {ARTIFACT_FIX}") from e
-
-
 def check_tp(manifest: Manifest, rank: int, world_size: int, *, flag: str | None = None) -> None:
     """The artifact's TP size against this run's (`flag`: how the user sets it for this host; None
     for Kiln's own commands, which run one rank)."""
@@ -322,21 +251,6 @@ def map_rank_files(artifact_dir: Path, manifest: Manifest, rank: int) -> list[Ma
     return files
 
 
-def check_kernel_fits(
-    what: str, kernel: LinearKernel | MoEKernel, layout_version: int, spec: Any, target: Target
-) -> None:
-    """The kernel a manifest names lays its tensors out as the manifest's layout version says, and
-    takes the layer's spec (bits, group size, scheme, strategy) on the artifact's target."""
-    if layout_version != kernel.layout_version:
-        raise LoadError(
-            f"{what}: stored in {kernel.name} layout version {layout_version}, this Kiln's {kernel.name} "
-            f"reads version {kernel.layout_version}; re-convert the checkpoint with this Kiln"
-        )
-    ok, reason = kernel.can_implement(spec, target)
-    if not ok:
-        raise LoadError(f"{what}: kernel {kernel.name} cannot run its spec: {reason}; {ARTIFACT_FIX}")
-
-
 def check_dimensions(cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int) -> None:
     """The model config's vocabulary and hidden sizes against the shapes the rank files' headers
     give the embedding, the final norm and an untied lm_head (before anything is built from them)."""
@@ -358,88 +272,6 @@ def check_dimensions(cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: i
             )
 
 
-@dataclass(frozen=True)
-class CheckedLinear:
-    """A linear layer of this rank: its kernel, this rank's spec and its tensors (views of the
-    mapping), checked against the model config and the kernel's declared tensors."""
-
-    name: str
-    kernel: LinearKernel
-    spec: LinearSpec
-    tensors: dict[str, torch.Tensor]
-
-
-def checked_linear_layers(
-    manifest: Manifest, cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int, world_size: int
-) -> list[CheckedLinear]:
-    """Every linear layer of the manifest, each checked (shape on this rank, stored tensors)."""
-    layouts = {layout.name: layout for layout in linear_layouts(cfg, "lm_head" in manifest.layers)}
-    out = []
-    for name, entry in manifest.layers.items():
-        layout = layouts.get(name)
-        if layout is None:
-            raise LoadError(
-                f"manifest layer {name!r} has no place in {cfg.architecture} (is the converter newer?)"
-            )
-        kernel = get_kernel(entry.kernel)
-        spec = entry.linear_spec()
-        check_kernel_fits(f"manifest layer {name}", kernel, entry.layout_version, spec, manifest.target)
-        check_layer_shape(name, spec, layout, cfg, rank, world_size)
-        mine = {
-            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
-        }
-        check_layer_tensors(name, entry, spec, kernel.stored_tensors(spec, manifest.target), mine, rank)
-        out.append(CheckedLinear(name, kernel, spec, mine))
-    return out
-
-
-@dataclass(frozen=True)
-class CheckedExpertGroup:
-    """An MoE layer's expert group on this rank: its kernel, this rank's spec and stacked tensors
-    (views of the mapping), checked against the model config and the kernel's declared tensors."""
-
-    name: str
-    kernel: MoEKernel
-    spec: MoESpec
-    tensors: dict[str, torch.Tensor]
-
-
-def checked_expert_groups(
-    manifest: Manifest, cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int, world_size: int
-) -> list[CheckedExpertGroup]:
-    """Every expert group of the manifest, each checked (this rank's experts and slice, the stacked
-    tensors its kernel declares); the manifest and the model config must name the same groups."""
-    layouts = {g.name: g for g in expert_groups(cfg)}
-    absent = sorted(set(layouts) - set(manifest.expert_groups))
-    extra = sorted(set(manifest.expert_groups) - set(layouts))
-    if absent or extra:
-        raise LoadError(
-            f"expert groups: the model has {absent[:3] or 'none'} without a manifest entry and the manifest "
-            f"has {extra[:3] or 'none'} without a place in {cfg.architecture}; {ARTIFACT_FIX}"
-        )
-    out = []
-    for name, entry in manifest.expert_groups.items():
-        kernel = get_moe_kernel(entry.kernel)
-        spec = rank_moe_spec(entry.moe_spec(), layouts[name], rank, world_size, manifest.expert_parallel)
-        check_kernel_fits(f"expert group {name}", kernel, entry.layout_version, spec, manifest.target)
-        mine = {
-            suffix: tensors[f"{name}.{suffix}"] for suffix in entry.tensors if f"{name}.{suffix}" in tensors
-        }
-        declared = kernel.stored_tensors(spec, manifest.target)
-        absent_tensors = sorted(set(declared) - set(mine))
-        if absent_tensors or set(entry.tensors) - set(declared):
-            raise LoadError(
-                f"expert group {name} (kernel {entry.kernel}): tensors {entry.tensors} in the manifest, "
-                f"{sorted(mine)} in rank {rank}'s files, the kernel stores {sorted(declared)}; {ARTIFACT_FIX}"
-            )
-        try:
-            check_stored(entry.kernel, spec.w13, declared, mine)
-        except LayoutError as e:
-            raise LoadError(f"expert group {name}: {e}; {ARTIFACT_FIX}") from e
-        out.append(CheckedExpertGroup(name, kernel, spec, mine))
-    return out
-
-
 def bind_expert_groups(
     model: LlamaForCausalLM,
     groups: dict[str, CheckedExpertGroup],
@@ -453,24 +285,6 @@ def bind_expert_groups(
         modules[group.name].bind(
             group.kernel, group.spec, {suffix: to_device(t) for suffix, t in group.tensors.items()}
         )
-
-
-def rank_moe_spec(
-    spec: MoESpec, layout: ExpertGroupLayout, rank: int, world_size: int, expert_parallel: bool
-) -> MoESpec:
-    """This rank's spec of an expert group (the manifest records rank 0's), checked against the
-    placement the model config gives it."""
-    place = expert_placement(layout, rank, world_size, expert_parallel)
-    want = (layout.num_experts, place.num_experts, layout.top_k, layout.hidden, place.intermediate)
-    got = (spec.total_experts, spec.num_experts, spec.top_k, spec.w13.k, spec.w2.k)
-    if got != want or (spec.w13.n, spec.w2.n) != (2 * place.intermediate, layout.hidden):
-        raise LoadError(
-            f"expert group {layout.name}: the manifest has {got[0]} experts ({got[1]} on this rank), "
-            f"top-{got[2]}, hidden {got[3]}, intermediate {got[4]} per rank; the model config gives "
-            f"{want[0]} ({want[1]}), top-{want[2]}, {want[3]}, {want[4]} on rank {rank} of {world_size}; "
-            f"{ARTIFACT_FIX}"
-        )
-    return dataclasses.replace(spec, first_expert=place.first_expert)
 
 
 def check_dense_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -1,8 +1,8 @@
 """A conversion request, in one shape (`ConversionSpec`): `kiln convert` / `kiln plan` build it, the
 REST body of `POST /v1/conversions` and `POST /v1/plans` is it (services/api/schemas.py adds only the
-API's checks on `source`), a job row stores its fields one per column, and the worker validates the
-row back into it. The allowed values and the disabled-kernel rule are declared here once. No torch:
-the API process imports it."""
+API's checks on `source`), a job row stores it as JSON (services/db/repo.spec_columns), and the
+worker validates the row back into it. The allowed values and the disabled-kernel rule are declared
+here once. No torch: the API process imports it."""
 
 from __future__ import annotations
 

@@ -28,11 +28,11 @@ def test_plan_and_conversion_leave_out_both_sets(tmp_path: Path) -> None:
     settings = ServiceSettings(_env_file=None, data_dir=tmp_path / "var", disabled_kernels=["cpu_int8"])  # type: ignore[call-arg]
     spec = ConversionSpec(source=src, targets=[Target.CPU], options={"disabled_kernels": ["cpu_w8a8"]})
     [planned] = plan_targets(spec, settings=settings)
-    kernels = {layer.kernel.name for layer in planned.layers}
+    kernels = {layer.kernel.name for layer in planned.units}
     assert kernels == {"dense"}  # int8 weights: cpu_int8 (deployment) and cpu_w8a8 (request) left out
     assert all(
         {"cpu_int8", "cpu_w8a8"} <= {name for name, _ in layer.rejected}
-        for layer in planned.layers
+        for layer in planned.units
         if layer.quant.scheme == "int"
     )
     request = ConversionRequest.from_spec(spec, out=str(tmp_path / "out"))

@@ -53,7 +53,7 @@ def test_plan_picks_expected_kernels(ckpt: Callable[[str], Path], name: str, tp:
     for target, kernel in EXPECTED[name].items():
         p = plan(str(ckpt(name)), target, tp=tp)
         row_kernel = ROW_PARALLEL_TP2.get((name, target), kernel) if tp == 2 else kernel
-        for pl in p.layers:
+        for pl in p.units:
             if pl.name.startswith(DECODER):
                 want = row_kernel if pl.layout.row_parallel else kernel
                 assert pl.kernel.name == want, (target, pl.name, pl.rejected)
@@ -61,13 +61,13 @@ def test_plan_picks_expected_kernels(ckpt: Callable[[str], Path], name: str, tp:
         assert [r.kernel for r in lm] == ["dense"] and lm[0].scheme == "dense"
         assert not any(r.fallback for r in p.rows)
         assert "model.embed_tokens.weight" in p.other_tensors
-        assert len(p.layers[0].specs) == tp
+        assert len(p.units[0].specs) == tp
         json.dumps(p.to_json())  # serializable
 
 
 def test_plan_tp_shapes_per_rank(ckpt: Callable[[str], Path]) -> None:
     p = plan(str(ckpt("gptq-w4-v1-sym")), "sm80", tp=2)
-    by_name = {pl.name: pl for pl in p.layers}
+    by_name = {pl.name: pl for pl in p.units}
     qkv = by_name["model.layers.0.self_attn.qkv_proj"].specs[1]
     # 4 heads / 2 kv heads, head_dim 64: per rank q 128, k 64, v 64
     assert (qkv.n, qkv.k, qkv.row_parallel) == (256, 256, False)
@@ -80,7 +80,7 @@ def test_plan_tp_shapes_per_rank(ckpt: Callable[[str], Path]) -> None:
 
 def test_kv_heads_replicated_when_fewer_than_tp(ckpt: Callable[[str], Path]) -> None:
     p = plan(str(ckpt("bf16")), "cpu", tp=4)
-    qkv = p.layers[0].specs[3]
+    qkv = p.units[0].specs[3]
     assert [s.size for s in qkv.shards] == [64, 64, 64]  # 1 q head, the (replicated) kv head
 
 

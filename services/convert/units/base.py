@@ -1,0 +1,175 @@
+"""The unit protocol: a conversion plan is a list of units, each a piece of the model that one kernel
+stores as a whole — a linear layer, an MoE layer's expert group. A unit kind plans its units from the
+checkpoint and the model config; a unit gives its plan row and byte counts, and converts itself into
+the rank files, returning its manifest entry. The plan, the pipeline and the artifact writer see only
+this protocol, so a new kind of block is one module implementing it plus one line in
+`services.convert.units.UNIT_KINDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from kernels.base import DenseWeight, IntWeight, SourceWeight, StoredTensor, Target
+from kernels.codecs.fp8 import quantize_fp8
+from kernels.errors import LayoutError
+from runtime.artifact.manifest import ExpertGroupEntry, LayerEntry, LayerVerification
+from runtime.model_layout import ModelConfig
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import ConversionError, VerificationError
+from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.safetensors_io import StreamingSafetensorsWriter
+
+ONLINE_FP8_BLOCK = (128, 128)
+HEADER_ENTRY_BYTES = 160  # {"dtype":"BF16","shape":[...],"data_offsets":[...]} plus quoting
+MAX_TENSORS_PER_LAYER = 8  # qweight, scales, zeros, g_idx, perm, bias, ... (the header estimate)
+KERNEL_BUG = "this is a kernel layout bug — disable the kernel with KILN_DISABLED_KERNELS and report it"
+
+UnitEntry = LayerEntry | ExpertGroupEntry
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    layer: str
+    shards: list[str]
+    scheme: str
+    kernel: str
+    fallback: bool
+    rejections: list[tuple[str, str]]
+    n: int
+    k: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejections"] = [{"kernel": k, "reason": r} for k, r in self.rejections]
+        return d
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every unit kind plans from: one checkpoint, one target, one conversion's options."""
+
+    ckpt: Checkpoint
+    fmt: CheckpointFormat
+    target: Target
+    model: ModelConfig
+    tp: int
+    method: str
+    fp8_scheme: str
+    act_dtype: str
+    disabled: tuple[str, ...]
+    expert_parallel: bool
+    has_lm_head: bool
+
+    @property
+    def online_fp8(self) -> LayerQuant | None:
+        """What --method fp8 turns a dense layer into (vLLM's online FP8); None under --method auto."""
+        return online_fp8_quant(self.fp8_scheme) if self.method == "fp8" else None
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """Where a unit converts to: the checkpoint it reads and the rank files it writes."""
+
+    ckpt: Checkpoint
+    fmt: CheckpointFormat
+    target: Target
+    model: ModelConfig
+    writers: list[StreamingSafetensorsWriter]  # one per rank
+
+    @property
+    def tp(self) -> int:
+        return len(self.writers)
+
+
+class UnitKernel(Protocol):
+    name: str
+    layout_version: int
+
+
+class PlanUnit(Protocol):
+    """One planned unit. `section` names the manifest mapping its entry is recorded in."""
+
+    section: ClassVar[str]
+    kernel: Any  # a LinearKernel or an MoEKernel: whatever kernel kind the unit's section holds
+    rejected: list[tuple[str, str]]
+    fallback: bool
+    source_tensors: list[str]
+
+    @property
+    def name(self) -> str: ...
+
+    def row(self) -> PlanRow: ...
+
+    def stored_bytes(self, rank: int, target: Target) -> int:
+        """Bytes of this unit's tensors in rank `rank`'s file, from the kernel's declared layout."""
+        ...
+
+    def header_bytes(self) -> int:
+        """A generous estimate of its entries in a rank file's safetensors header."""
+        ...
+
+    def convert(self, files: RankFiles) -> UnitEntry:
+        """Read, decode, prepare, verify and write this unit; its manifest entry."""
+        ...
+
+
+class UnitKind(Protocol):
+    def module_count(self, ctx: PlanContext) -> int:
+        """Checkpoint modules this kind plans (bounds the quantization config's pattern matching)."""
+        ...
+
+    def plan(self, ctx: PlanContext) -> Sequence[PlanUnit]: ...
+
+
+def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
+    return LayerQuant(
+        "fp8",
+        bits=8,
+        fp8_strategy=fp8_scheme,  # type: ignore[arg-type]
+        block_size=ONLINE_FP8_BLOCK if fp8_scheme == "block" else None,
+    )
+
+
+def quantize_online(w: SourceWeight, target_quant: LayerQuant) -> SourceWeight:
+    """A dense source weight quantized to the plan's online FP8 scheme (its bias kept)."""
+    assert isinstance(w, DenseWeight)
+    strategy = target_quant.fp8_strategy or "tensor"
+    q = quantize_fp8(w.weight, strategy, block_size=target_quant.block_size or ONLINE_FP8_BLOCK)
+    q.bias = w.bias
+    return q
+
+
+def stored_bytes(tensors: dict[str, StoredTensor]) -> int:
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
+
+
+def check_source_shape(module: str, w: SourceWeight, want: tuple[int, int], what: str = "") -> None:
+    """A decoded checkpoint weight against the (N, K) the model config gives it."""
+    t = w.codes if isinstance(w, IntWeight) else w.weight
+    shape = (int(t.shape[0]), int(t.shape[1]))
+    if shape != want:
+        raise ConversionError(
+            f"{what + ' (' + module + ')' if what else module} is {shape[0]}×{shape[1]}; the model config "
+            f"gives it {want[0]}×{want[1]} (config.json dimensions and the tensors disagree)"
+        )
+
+
+def undeclared_tensors(kernel: str, step: str, error: LayoutError) -> VerificationError:
+    return VerificationError(
+        f"{error}: kernel {kernel}'s {step} does not write the tensors it declares (a kernel bug — "
+        "disable the kernel with KILN_DISABLED_KERNELS and report it)"
+    )
+
+
+def require_reproduced(check: LayerVerification, where: str) -> None:
+    """`where` (unit, rank, kernel) failed its check against the source: the conversion stops."""
+    if not check.ok:
+        raise VerificationError(
+            f"{where}: the artifact's weights do not reproduce the source: {check.metric} "
+            f"{check.value:.4g} > bound {check.bound:.4g}; {KERNEL_BUG}"
+        )

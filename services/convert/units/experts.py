@@ -1,0 +1,316 @@
+"""MoE layers' expert groups as plan units: one plan row and one expert-group kernel per layer.
+
+Planning: every expert's gate, up and down projections must be quantized alike (the format decides
+per module, so an ignore list or a `dynamic` rule covering some experts and not others is refused,
+naming the expert); every expert's tensors must be present. The group's `MoESpec` per rank follows
+`runtime.model_layout.expert_placement` (TP: a slice of every expert; EP: whole experts).
+
+Conversion streams expert by expert: read one expert's three projections, decode them, slice them for
+each rank that holds the expert, fuse gate|up into w13, quantize online to FP8 when asked, prepare
+them with the group's kernel, verify them against the source, and write them into the rank files'
+stacked tensors (reserved up front), before the next expert is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels.base import IntWeight, LinearSpec, ShardSpec, SourceWeight, StoredTensor, Target, check_stored
+from kernels.errors import LayoutError, UnsupportedError
+from kernels.moe_base import W2, W13, MoEKernel, MoESpec
+from kernels.registry import choose_moe_kernel
+from runtime.artifact.manifest import ExpertGroupEntry, LayerVerification, Rejection
+from runtime.model_layout import ExpertGroupLayout, RowRange, expert_groups, expert_placement
+from services.convert.checkpoint import Checkpoint
+from services.convert.errors import ConversionError
+from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.tp import fuse, slice_cols, slice_rows
+from services.convert.units.base import (
+    HEADER_ENTRY_BYTES,
+    MAX_TENSORS_PER_LAYER,
+    PlanContext,
+    PlanRow,
+    RankFiles,
+    check_source_shape,
+    quantize_online,
+    require_reproduced,
+    stored_bytes,
+    undeclared_tensors,
+)
+from services.convert.verify import compare, compare_int_stored, worst_of
+
+PART_NAMES = ("gate", "up", "down")
+Expert = tuple[SourceWeight, SourceWeight, SourceWeight]  # gate, up, down as the checkpoint holds them
+
+
+@dataclass
+class ExpertGroupUnit:
+    section: ClassVar[str] = "expert_groups"
+
+    layout: ExpertGroupLayout
+    quant: LayerQuant  # as stored, agreed by every expert's three projections
+    target_quant: LayerQuant  # what the artifact holds (online FP8 changes dense -> fp8)
+    specs: list[MoESpec]  # one per rank
+    kernel: MoEKernel
+    rejected: list[tuple[str, str]]
+    fallback: bool
+    source_tensors: list[str]
+    expert_parallel: bool
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def online_fp8(self) -> bool:
+        return self.quant.scheme == "dense" and self.target_quant.scheme == "fp8"
+
+    def describe(self) -> str:
+        g, spec = self.layout, self.specs[0]
+        return (
+            f"{g.num_experts} experts × (w13 {spec.w13.n}×{spec.w13.k}, w2 {spec.w2.n}×{spec.w2.k})"
+            f"{' per rank' if len(self.specs) > 1 else ''}"
+        )
+
+    def row(self) -> PlanRow:
+        return PlanRow(
+            layer=self.name,
+            shards=[f"{self.layout.expert_prefix.format(e='*')}.{p}" for p in self.layout.parts],
+            scheme=f"{self.describe()}, {self.target_quant.describe()}"
+            + (" (online)" if self.online_fp8 else ""),
+            kernel=self.kernel.name,
+            fallback=self.fallback,
+            rejections=list(self.rejected),
+            n=self.specs[0].w13.n,
+            k=self.specs[0].w13.k,
+        )
+
+    def stored_bytes(self, rank: int, target: Target) -> int:
+        return stored_bytes(self.kernel.stored_tensors(self.specs[rank], target))
+
+    def header_bytes(self) -> int:
+        return 2 * MAX_TENSORS_PER_LAYER * (len(self.name) + 28 + HEADER_ENTRY_BYTES)
+
+    def convert(self, files: RankFiles) -> ExpertGroupEntry:
+        tensors = self._reserve(files)
+        worst: LayerVerification | None = None
+        for expert in range(self.layout.num_experts):
+            source = self._decode_expert(files, expert)
+            for rank, spec in enumerate(self.specs):
+                local = expert - spec.first_expert
+                if 0 <= local < spec.num_experts:
+                    worst = self._convert_expert(files, rank, expert, source, worst)
+            del source
+        return ExpertGroupEntry(
+            kernel=self.kernel.name,
+            layout_version=self.kernel.layout_version,
+            spec=self.specs[0].to_json(),
+            tensors=tensors,
+            source_tensors=self.source_tensors,
+            rejected=[Rejection(kernel=k, reason=r) for k, r in self.rejected],
+            fallback=self.fallback,
+            verification=worst,
+        )
+
+    def _reserve(self, files: RankFiles) -> list[str]:
+        """Make room for the group's stacked tensors in every rank file; their names (sorted)."""
+        names: list[str] = []
+        for rank, spec in enumerate(self.specs):
+            stored = self.kernel.stored_tensors(spec, files.target)
+            for suffix, t in sorted(stored.items()):
+                files.writers[rank].reserve(f"{self.name}.{suffix}", t.dtype, t.shape)
+            names = sorted(stored)
+        return names
+
+    def _convert_expert(
+        self, files: RankFiles, rank: int, expert: int, source: Expert, worst: LayerVerification | None
+    ) -> LayerVerification | None:
+        """Prepare, verify and write one expert's slice for one rank; the group's worst check so far."""
+        spec = self.specs[rank]
+        ref13, ref2 = self._rank_expert(spec, rank, *source)
+        online = self.online_fp8
+        w13, w2 = (
+            (quantize_online(ref13, self.target_quant), quantize_online(ref2, self.target_quant))
+            if online
+            else (ref13, ref2)
+        )
+        prepared = self.kernel.prepare_expert(w13, w2, spec, files.target)
+        self._check_expert_tensors(spec, files.target, prepared)
+        for part, check in zip((W13, W2), self._verify_expert(spec, prepared, (ref13, ref2)), strict=True):
+            where = (
+                f"expert group {self.name} (rank {rank}, expert {expert}, {part}, kernel {self.kernel.name})"
+            )
+            require_reproduced(check, where)
+            worst = worst_of(worst, check)
+        for suffix, value in prepared.items():
+            files.writers[rank].write_slice(f"{self.name}.{suffix}", expert - spec.first_expert, value)
+        return worst
+
+    def _decode_expert(self, files: RankFiles, expert: int) -> Expert:
+        group = self.layout
+        modules = [group.module(expert, part) for part in range(3)]
+        names = [n for m in modules for n in files.fmt.source_tensors(m, self.quant)]
+        tensors = files.ckpt.read(names)
+        weights = [files.fmt.decode(m, self.quant, tensors) for m in modules]
+        expected = [(group.intermediate, group.hidden)] * 2 + [(group.hidden, group.intermediate)]
+        for part, (w, want) in enumerate(zip(weights, expected, strict=True)):
+            what = f"expert group {group.name}: expert {expert}'s {PART_NAMES[part]} projection"
+            check_source_shape(modules[part], w, want, what)
+        return weights[0], weights[1], weights[2]
+
+    def _rank_expert(
+        self, spec: MoESpec, rank: int, gate: SourceWeight, up: SourceWeight, down: SourceWeight
+    ) -> tuple[SourceWeight, SourceWeight]:
+        """This rank's (w13, w2) of one expert: whole under EP, the intermediate slice under TP."""
+        tp = len(self.specs)
+        if self.expert_parallel or tp == 1:
+            return fuse([gate, up], ["gate", "up"]), down
+        name, rows = self.name, RowRange(rank * spec.intermediate, spec.intermediate)
+        w13 = fuse(
+            [slice_rows(gate, rows, f"{name} gate"), slice_rows(up, rows, f"{name} up")], ["gate", "up"]
+        )
+        return w13, slice_cols(down, rank, tp, f"{name} down")
+
+    def _verify_expert(
+        self, spec: MoESpec, prepared: dict[str, torch.Tensor], refs: tuple[SourceWeight, SourceWeight]
+    ) -> list[LayerVerification]:
+        """(w13, w2) checks of one prepared expert against its source weights: value for value on the
+        stored integer weights where the layout keeps them, else on the dequantized weights."""
+        one = {k: v[None] for k, v in prepared.items()}  # a group of this expert alone
+        act = spec.w13.torch_act_dtype
+        kernel = self.kernel
+        stored = kernel.stored_int_weights(one, spec, 0) if isinstance(refs[0], IntWeight) else (None, None)
+        checks = [compare_int_stored(s, ref, act) for s, ref in zip(stored, refs, strict=True)]
+        if all(c is not None for c in checks):
+            return [c for c in checks if c is not None]
+        got = kernel.dequantize_expert(one, spec, 0)
+        return [
+            c or compare(g, ref, act, online_fp8=self.online_fp8)
+            for c, g, ref in zip(checks, got, refs, strict=True)
+        ]
+
+    def _check_expert_tensors(self, spec: MoESpec, target: Target, prepared: dict[str, torch.Tensor]) -> None:
+        stored = self.kernel.stored_tensors(spec, target)
+        declared = {name: StoredTensor(t.shape[1:], t.dtype) for name, t in stored.items()}
+        try:
+            check_stored(self.kernel.name, spec.w13, declared, prepared)
+        except LayoutError as e:
+            raise undeclared_tensors(self.kernel.name, "prepare_expert", e) from e
+
+
+class ExpertGroupKind:
+    """Plans every MoE layer's expert group (none for a dense model; --ep needs some)."""
+
+    def module_count(self, ctx: PlanContext) -> int:
+        return sum(3 * g.num_experts for g in expert_groups(ctx.model))
+
+    def plan(self, ctx: PlanContext) -> list[ExpertGroupUnit]:
+        groups = [plan_experts(ctx, group) for group in expert_groups(ctx.model)]
+        if ctx.expert_parallel and not groups:
+            raise UnsupportedError(
+                f"--ep places whole experts per rank, but {ctx.model.architecture} has no experts"
+            )
+        return groups
+
+
+def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
+    group = _as_named_in(ctx.ckpt, group)
+    quant = _expert_quant(ctx.fmt, group)
+    online = ctx.online_fp8
+    tq = online if online is not None and quant.scheme == "dense" else quant
+    sources = _expert_sources(ctx.fmt, ctx.ckpt, group, quant)
+    specs = [_moe_spec(group, tq, r, ctx.tp, ctx.expert_parallel, ctx.act_dtype) for r in range(ctx.tp)]
+    choice = choose_moe_kernel(specs[0], ctx.target, ctx.disabled)
+    for spec in specs[1:]:
+        ok, reason = choice.kernel.can_implement(spec, ctx.target)
+        if not ok:
+            raise UnsupportedError(
+                f"{group.name}: kernel {choice.kernel.name} rejects a rank's shape: {reason}"
+            )
+    return ExpertGroupUnit(
+        group, quant, tq, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
+        ctx.expert_parallel,
+    )  # fmt: skip
+
+
+def _as_named_in(ckpt: Checkpoint, group: ExpertGroupLayout) -> ExpertGroupLayout:
+    """The group with its projections named as this checkpoint names them (the architecture's
+    alternatives: Mixtral's w1 / w3 / w2 become gate_proj / up_proj / down_proj in llm-compressor's
+    output)."""
+    for parts in (group.parts, *group.alternatives):
+        named = group.named(parts)
+        if any(name.startswith(named.module(0, 0) + ".") for name in ckpt.tensors):
+            return named
+    return group
+
+
+def _expert_quant(fmt: CheckpointFormat, group: ExpertGroupLayout) -> LayerQuant:
+    """The one quantization every expert's gate / up / down shares, or a clear refusal."""
+    first: tuple[str, LayerQuant] | None = None
+    for e in range(group.num_experts):
+        w13, w2 = group.w13(e), group.w2(e)
+        for part, layout in ((0, w13), (1, w13), (2, w2)):
+            module = group.module(e, part)
+            q = fmt.layer_quant(module, layout)
+            if first is None:
+                first = (module, q)
+            elif q != first[1]:
+                raise UnsupportedError(
+                    f"expert group {group.name}: expert {e}'s {PART_NAMES[part]} projection ({module}) is "
+                    f"{q.describe()} but {first[0]} is {first[1].describe()}; every expert of a layer must "
+                    "be quantized alike (check the quantization config's ignore / targets / dynamic rules)"
+                )
+    assert first is not None
+    return first[1]
+
+
+def _expert_sources(
+    fmt: CheckpointFormat, ckpt: Checkpoint, group: ExpertGroupLayout, quant: LayerQuant
+) -> list[str]:
+    names: list[str] = []
+    present = {name.rsplit(".", 1)[0] for name in ckpt.tensors}  # every module with a tensor
+    for e in range(group.num_experts):
+        for part in range(3):
+            module = group.module(e, part)
+            if module not in present:
+                raise ConversionError(
+                    f"expert group {group.name}: expert {e} is missing ({module} has no tensors in the "
+                    f"checkpoint; config.json says {group.num_experts} experts per layer)"
+                )
+            names += fmt.source_tensors(module, quant)
+    return names
+
+
+def _moe_spec(
+    group: ExpertGroupLayout, q: LayerQuant, rank: int, tp: int, expert_parallel: bool, act_dtype: str
+) -> MoESpec:
+    place = expert_placement(group, rank, tp, expert_parallel)
+    i = place.intermediate
+
+    def linear(
+        name: str, n: int, k: int, k_full: int, row_parallel: bool, shards: tuple[ShardSpec, ...]
+    ) -> LinearSpec:
+        return LinearSpec(
+            name=name, scheme=q.scheme, n=n, k=k, k_full=k_full, bits=q.bits, group_size=q.group_size,
+            symmetric=q.symmetric, act_order=q.act_order, fp8_strategy=q.fp8_strategy,
+            block_size=q.block_size, row_parallel=row_parallel, act_dtype=act_dtype,
+            int8_activations=q.int8_activations, shards=shards,
+        )  # fmt: skip
+
+    w13 = linear(
+        f"{group.name}.{W13}", 2 * i, group.hidden, group.hidden, False,
+        (ShardSpec(f"{group.name}.gate", i), ShardSpec(f"{group.name}.up", i)),
+    )  # fmt: skip
+    w2 = linear(f"{group.name}.{W2}", group.hidden, i, group.intermediate, tp > 1 and not expert_parallel, ())
+    return MoESpec(
+        name=group.name,
+        num_experts=place.num_experts,
+        top_k=group.top_k,
+        w13=w13,
+        w2=w2,
+        first_expert=place.first_expert,
+        total_experts=group.num_experts,
+    )

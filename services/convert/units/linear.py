@@ -1,0 +1,249 @@
+"""Linear layers as plan units: every q/k/v/o, gate/up/down projection (q/k/v and gate/up fused), the
+MoE routers and lm_head, one kernel each.
+
+Planning: the shards of a fused layer must be quantized alike; the per-rank `LinearSpec`s follow
+`runtime.model_layout.rank_shape`; the registry picks the kernel (and says whether the layer fell
+back because of its shape), which must take every rank's shape.
+
+Conversion: read the layer's source tensors (positioned reads into one buffer / ranged GETs), decode
+every shard into a canonical weight, then per TP rank slice + fuse (a view when the shards lie back
+to back), quantize online (--method fp8), `kernel.prepare`, verify against the source (a dense
+kernel's stored weight directly, else the stored integers or `kernel.dequantize`), and append the
+tensors to the rank's streaming writer. Only one layer's tensors are in memory at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kernels.base import (
+    DenseWeight,
+    IntWeight,
+    LinearKernel,
+    LinearSpec,
+    ShardSpec,
+    SourceWeight,
+    Target,
+    check_stored,
+)
+from kernels.errors import LayoutError, UnsupportedError
+from kernels.registry import choose_kernel
+from runtime.artifact.manifest import LayerEntry, LayerVerification, Rejection
+from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
+from services.convert.errors import VerificationError
+from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.tp import fuse, slice_cols, slice_rows
+from services.convert.units.base import (
+    HEADER_ENTRY_BYTES,
+    MAX_TENSORS_PER_LAYER,
+    PlanContext,
+    PlanRow,
+    RankFiles,
+    check_source_shape,
+    quantize_online,
+    require_reproduced,
+    stored_bytes,
+    undeclared_tensors,
+)
+from services.convert.verify import compare, compare_dense_stored, compare_int_stored, worst_of
+
+
+@dataclass
+class LinearUnit:
+    section: ClassVar[str] = "layers"
+
+    layout: LinearLayout
+    quant: LayerQuant  # as stored in the checkpoint (agreed by every shard)
+    target_quant: LayerQuant  # what the artifact holds (online FP8 changes dense -> fp8)
+    specs: list[LinearSpec]  # one per TP rank
+    kernel: LinearKernel
+    rejected: list[tuple[str, str]]
+    fallback: bool
+    source_tensors: list[str]
+
+    @property
+    def online_fp8(self) -> bool:
+        return self.quant.scheme == "dense" and self.target_quant.scheme == "fp8"
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    def row(self) -> PlanRow:
+        return PlanRow(
+            layer=self.name,
+            shards=[s.module for s in self.layout.shards],
+            scheme=self.target_quant.describe() + (" (online)" if self.online_fp8 else ""),
+            kernel=self.kernel.name,
+            fallback=self.fallback,
+            rejections=list(self.rejected),
+            n=self.specs[0].n,
+            k=self.specs[0].k,
+        )
+
+    def stored_bytes(self, rank: int, target: Target) -> int:
+        return stored_bytes(self.kernel.stored_tensors(self.specs[rank], target))
+
+    def header_bytes(self) -> int:
+        return MAX_TENSORS_PER_LAYER * (len(self.name) + 24 + HEADER_ENTRY_BYTES)
+
+    def convert(self, files: RankFiles) -> LayerEntry:
+        tensors = files.ckpt.read(self.source_tensors)
+        shards = [files.fmt.decode(s.module, self.quant, tensors) for s in self.layout.shards]
+        del tensors
+        for shard, w in zip(self.layout.shards, shards, strict=True):
+            check_source_shape(shard.module, w, (shard.size, self.layout.k))
+        worst: LayerVerification | None = None
+        suffixes: list[str] | None = None
+        for rank, spec in enumerate(self.specs):
+            reference = self._rank_weight(files, shards, rank)
+            prepared, check = self._prepare_rank(files, spec, reference)
+            require_reproduced(check, f"layer {self.name} (rank {rank}, kernel {self.kernel.name})")
+            worst = worst_of(worst, check)
+            if suffixes is not None and sorted(prepared) != suffixes:
+                raise VerificationError(
+                    f"layer {self.name}: ranks store different tensors ({suffixes} vs {sorted(prepared)})"
+                )
+            suffixes = sorted(prepared)
+            for suffix in suffixes:
+                files.writers[rank].add(f"{self.name}.{suffix}", prepared[suffix])
+            del prepared
+        return LayerEntry(
+            kernel=self.kernel.name,
+            layout_version=self.kernel.layout_version,
+            spec=self.specs[0].to_json(),
+            tensors=suffixes or [],
+            source_tensors=list(self.source_tensors),
+            rejected=[Rejection(kernel=k, reason=r) for k, r in self.rejected],
+            fallback=self.fallback,
+            verification=worst,
+        )
+
+    def _rank_weight(self, files: RankFiles, shards: list[SourceWeight], rank: int) -> SourceWeight:
+        layout, tp = self.layout, files.tp
+        parts = []
+        for shard, w in zip(layout.shards, shards, strict=True):
+            if layout.row_parallel:
+                parts.append(slice_cols(w, rank, tp, shard.module))
+            else:
+                parts.append(slice_rows(w, shard_rows(shard, layout, files.model, rank, tp), shard.module))
+        return fuse(parts, [s.module for s in layout.shards])
+
+    def _prepare_rank(
+        self, files: RankFiles, spec: LinearSpec, reference: SourceWeight
+    ) -> tuple[dict, LayerVerification]:
+        """One rank's prepared tensors and their check against the source."""
+        kernel, target = self.kernel, files.target
+        weight = quantize_online(reference, self.target_quant) if self.online_fp8 else reference
+        prepared = kernel.prepare(weight, spec, target)
+        try:
+            check_stored(kernel.name, spec, kernel.stored_tensors(spec, target), prepared)
+        except LayoutError as e:
+            raise undeclared_tensors(kernel.name, "prepare", e) from e
+        if kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not self.online_fp8:
+            return prepared, compare_dense_stored(prepared["weight"], reference)
+        act = spec.torch_act_dtype
+        stored = kernel.stored_int_weight(prepared, spec) if isinstance(reference, IntWeight) else None
+        check = compare_int_stored(stored, reference, act) or compare(
+            kernel.dequantize(prepared, spec), reference, act, online_fp8=self.online_fp8
+        )
+        return prepared, check
+
+
+class LinearKind:
+    """Plans every linear layer the model config has (lm_head when the checkpoint stores one)."""
+
+    def module_count(self, ctx: PlanContext) -> int:
+        return sum(len(layout.shards) for layout in linear_layouts(ctx.model, ctx.has_lm_head))
+
+    def plan(self, ctx: PlanContext) -> list[LinearUnit]:
+        return [plan_linear(ctx, layout) for layout in linear_layouts(ctx.model, ctx.has_lm_head)]
+
+
+def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
+    quant = _agree(ctx.fmt, layout)
+    online = ctx.online_fp8
+    # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them
+    keep = online is None or layout.replicated or quant.scheme != "dense"
+    target_quant = quant if keep else online
+    assert target_quant is not None
+    sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
+    has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
+    specs = rank_specs(layout, target_quant, ctx.model, ctx.tp, ctx.act_dtype, has_bias)
+    _check_fp8_blocks(layout, specs[0], ctx.tp)
+    choice = choose_kernel(specs[0], ctx.target, ctx.disabled)
+    for spec in specs[1:]:
+        ok, reason = choice.kernel.can_implement(spec, ctx.target)
+        if not ok:
+            raise UnsupportedError(
+                f"{layout.name}: kernel {choice.kernel.name} rejects a TP rank's shape: {reason}"
+            )
+    return LinearUnit(
+        layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources
+    )
+
+
+def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:
+    quants = [(s.module, fmt.layer_quant(s.module, layout)) for s in layout.shards]
+    first = quants[0][1]
+    if any(q != first for _, q in quants[1:]):
+        detail = ", ".join(f"{m}: {q.describe()}" for m, q in quants)
+        raise UnsupportedError(
+            f"the shards of fused layer {layout.name} are quantized differently ({detail}); all shards of "
+            "qkv_proj / gate_up_proj must share scheme, bits, group size and ignore status"
+        )
+    return first
+
+
+def rank_specs(
+    layout: LinearLayout, q: LayerQuant, model: ModelConfig, tp: int, act_dtype: str, has_bias: bool
+) -> list[LinearSpec]:
+    specs = []
+    for rank in range(tp):
+        shape = rank_shape(layout, model, rank, tp)
+        shard_sizes = shape.shard_sizes
+        shards = (
+            tuple(ShardSpec(s.module, size) for s, size in zip(layout.shards, shard_sizes, strict=True))
+            if layout.fused
+            else ()
+        )
+        specs.append(
+            LinearSpec(
+                name=layout.name,
+                scheme=q.scheme,
+                n=sum(shard_sizes),
+                k=shape.k,
+                k_full=layout.k,
+                bits=q.bits,
+                group_size=q.group_size,
+                symmetric=q.symmetric,
+                act_order=q.act_order,
+                fp8_strategy=q.fp8_strategy,
+                block_size=q.block_size,
+                row_parallel=layout.row_parallel and tp > 1,
+                has_bias=has_bias,
+                act_dtype=act_dtype,
+                int8_activations=q.int8_activations,
+                shards=shards,
+            )
+        )
+    return specs
+
+
+def _check_fp8_blocks(layout: LinearLayout, spec: LinearSpec, tp: int) -> None:
+    """vLLM's validate_fp8_block_shape: per-rank slices must hold whole FP8 blocks."""
+    if spec.fp8_strategy != "block" or spec.block_size is None or tp == 1:
+        return
+    bn, bk = spec.block_size
+    if spec.row_parallel and spec.k % bk:
+        raise UnsupportedError(
+            f"{layout.name}: {spec.k} input features per rank (tp={tp}) are not a multiple of the "
+            f"FP8 block {bk}"
+        )
+    sizes = [s.size for s in spec.shards] or [spec.n]
+    if not spec.row_parallel and any(size % bn for size in sizes):
+        raise UnsupportedError(
+            f"{layout.name}: per-rank output features {sizes} (tp={tp}) are not multiples of the FP8 block "
+            f"{bn}; use a smaller tp or a per-tensor / channel FP8 scheme"
+        )
