@@ -212,3 +212,16 @@ def test_vllm_is_imported_only_by_the_plugin_and_the_plugin_by_nothing_else() ->
     into = [str(e) for e in edges() if e.dst.startswith(PLUGIN) and not e.src.startswith(PLUGIN)]
     assert not into, into
     assert any(_imports_vllm(modules()[f"{PLUGIN}.model_loader"]))
+
+
+UNITS = "services.convert.units"
+
+
+def test_unit_kinds_are_known_only_to_their_registration() -> None:
+    """The plan, the pipeline, the artifact writer and the manifest see units through the protocol
+    (units.base) and the registration (units.UNIT_KINDS) only, so a new unit kind is its module plus
+    one line there."""
+    kinds = {name for name in modules() if name.startswith(UNITS + ".") and name != f"{UNITS}.base"}
+    assert {f"{UNITS}.linear", f"{UNITS}.experts"} <= kinds
+    outside = [str(e) for e in edges() if e.dst in kinds and e.src != UNITS]
+    assert not outside, "modules that name a unit kind instead of the protocol:\n  " + "\n  ".join(outside)
