@@ -28,7 +28,7 @@ from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, Stor
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
-from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
@@ -55,7 +55,7 @@ class Fp8MarlinKernel(LinearKernel):
     description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the FP8-Marlin layout, Triton dequant-GEMM"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
+        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
         group = _group_size(spec)
         if spec.fp8_strategy == "block":
@@ -194,8 +194,6 @@ def fp8_marlin_gemm(
             f"fp8_marlin scales carry the {scales.dtype} exponent bias; activations are {x.dtype}"
         )
     m, n, k = x2.shape[0], spec.n, spec.k
-    if m == 0:
-        return empty_rows(x, n)
     group = k if _group_size(spec) == -1 else _group_size(spec)
     cfg, per_block_scale = fit_to_groups(config or default_config(m, n, k, x.device), group, act_order=False)
     run = GemmLaunch.plan(x, m, n, cfg, tensors)

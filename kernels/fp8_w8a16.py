@@ -27,7 +27,7 @@ import torch
 from kernels.base import Fp8Weight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
-from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, largest_block_dividing
 from kernels.targets import GPU_TARGETS
@@ -44,13 +44,8 @@ class Fp8W8A16Kernel(LinearKernel):
     description: ClassVar[str] = "FP8 e4m3 weight-only (W8A16) on the plain layout, any N/K, Triton"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
+        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
-        if not target.has_bf16 and spec.act_dtype == "bfloat16":
-            return False, (
-                f"{target.value} has no bfloat16 tensor cores: fp8_w8a16 there needs act_dtype float16, "
-                f"got {spec.act_dtype} (convert with --dtype float16)"
-            )
         if spec.fp8_strategy == "block":
             if spec.block_size is None:
                 return False, "block-scaled FP8 layer without block_size in its spec"
@@ -175,8 +170,6 @@ def fp8_w8a16_gemm(
     """y = x @ W.T (+ bias) reading the e4m3 bytes in place; x (..., K) bf16/fp16."""
     x2 = gemm_rows(x, spec.k, "fp8_w8a16").contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
-    if m == 0:
-        return empty_rows(x, n)
     cfg, block, (bn, bk) = fit_to_fp8_blocks(config or default_config(m, n, k, x.device), spec)
     scale = tensors["weight_scale"]
     run = GemmLaunch.plan(x, m, n, cfg, tensors)

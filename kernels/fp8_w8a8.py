@@ -38,7 +38,7 @@ from kernels.base import (
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
-from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles
 from kernels.jit import act_dtype_reason, import_triton, interpreter_enabled, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config
 from kernels.targets import gpu_targets
@@ -57,7 +57,7 @@ class TokenScaledKernel(LinearKernel):
     weight_dtype: ClassVar[torch.dtype]
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
+        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
         if spec.k % 16 or spec.n % 16:
             return False, f"{self.name} needs N and K per rank multiples of 16, got N={spec.n}, K={spec.k}"
@@ -190,8 +190,6 @@ def token_scaled_gemm(
     operands: FP8 e4m3 (fp32 accumulator) or int8 (exact int32 accumulator, int8_w8a8)."""
     x2 = gemm_rows(x, spec.k, kernel).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
-    if m == 0:
-        return empty_rows(x, n)
     xq, xs = quantize(x2)
     cfg = config or default_config(m, n, k, x.device, kind="fp8")
     ws = tensors["weight_scale"]

@@ -69,8 +69,10 @@ class GemmLaunch:
         }
 
     def launch(self, kernel: Any, *args: Any, **constexprs: Any) -> torch.Tensor:
-        """Run `kernel` over the grid (`meta()` joins the constexprs); (..., N) in the activations' dtype."""
-        kernel[self.grid](*args, **constexprs, **self.meta())
+        """Run `kernel` over the grid (`meta()` joins the constexprs); (..., N) in the activations' dtype.
+        Over no rows (M = 0) nothing is launched."""
+        if self.grid[0]:
+            kernel[self.grid](*args, **constexprs, **self.meta())
         return finish_output(self.y, self.x).reshape(*self.x.shape[:-1], self.n)
 
 
@@ -78,11 +80,6 @@ def gemm_rows(x: torch.Tensor, k: int, kernel: str) -> torch.Tensor:
     """The activations as (M, K) rows, after checking their dtype for `kernel`."""
     check_act_dtype(x, kernel)
     return x.reshape(-1, k)
-
-
-def empty_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """The (..., N) result of a GEMM over no rows."""
-    return x.new_empty(*x.shape[:-1], n)
 
 
 @triton_builder

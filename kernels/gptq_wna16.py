@@ -23,7 +23,7 @@ import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
-from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.targets import GPU_TARGETS
@@ -47,13 +47,8 @@ class GptqWNA16Kernel(LinearKernel):
             )
         if spec.bits not in SUPPORTED_BITS:
             return False, f"gptq_wna16 supports {SUPPORTED_BITS} bits, layer has {spec.bits}"
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
+        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
-        if not target.has_bf16 and spec.act_dtype == "bfloat16":
-            return False, (
-                f"{target.value} has no bfloat16 tensor cores: gptq_wna16 there needs act_dtype float16, "
-                f"got {spec.act_dtype} (convert with --dtype float16)"
-            )
         pf = 32 // spec.bits
         if spec.k % pf:
             return False, f"K per rank = {spec.k} is not a multiple of {pf} ({spec.bits}-bit codes per int32)"
@@ -151,8 +146,6 @@ def gptq_wna16_gemm(
     """y = x @ W.T (+ bias) with the Triton kernel; x (..., K) bf16/fp16 -> (..., N) in x's dtype."""
     x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
-    if m == 0:
-        return empty_rows(x, n)
     act_order = "g_idx" in tensors
     group = k if spec.group_size in (-1, 0) else spec.group_size
     cfg, per_block_scale = fit_to_groups(

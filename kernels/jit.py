@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from kernels.errors import UnsupportedError
+from kernels.targets import Target
 
 ACT_DTYPES = ("bfloat16", "float16")
 B = TypeVar("B")
@@ -103,8 +104,14 @@ def check_act_dtype(x: torch.Tensor, kernel: str) -> None:
         raise UnsupportedError(f"{kernel} takes bfloat16 or float16 activations, got {x.dtype}")
 
 
-def act_dtype_reason(act_dtype: str, kernel: str) -> str:
-    """'' when the activation dtype is one the Triton kernels take, else the refusal reason."""
+def act_dtype_reason(act_dtype: str, kernel: str, target: Target) -> str:
+    """'' when the activation dtype is one the Triton kernels take on `target` (bfloat16 needs bf16
+    tensor cores), else the refusal reason."""
     if act_dtype in ACT_DTYPES:
+        if act_dtype == "bfloat16" and not target.has_bf16:
+            return (
+                f"{target.value} has no bfloat16 tensor cores: {kernel} there needs act_dtype float16, "
+                f"got {act_dtype} (convert with --dtype float16)"
+            )
         return ""
     return f"{kernel} runs bfloat16 or float16 activations, not {act_dtype}; use the dense or a cpu kernel"

@@ -31,7 +31,7 @@ import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_rows, unpack_rows
-from kernels.gemm import GemmLaunch, empty_rows, gemm_rows, gemm_tiles, operand_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.marlin_layout import (
@@ -65,7 +65,7 @@ class MarlinWNA16Kernel(LinearKernel):
                 f"Marlin takes zero points only for 4-bit weights (uint4); this layer is {spec.bits}-bit "
                 "asymmetric: gptq_wna16 runs it"
             )
-        if reason := act_dtype_reason(spec.act_dtype, self.name):
+        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
         return check_marlin_shape(spec.n, spec.k, spec.k_full, spec.group_size, bits=spec.bits)
 
@@ -178,8 +178,6 @@ def marlin_wna16_gemm(
         x2 = x2.index_select(1, tensors["perm"].long())  # activations in sorted-row order, once per call
     x2 = x2.contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
-    if m == 0:
-        return empty_rows(x, n)
     group = k if spec.group_size in (-1, 0) else spec.group_size
     cfg, per_block_scale = fit_to_groups(
         config or default_config(m, n, k, x.device), group, act_order=act_order
