@@ -14,6 +14,8 @@ Two GEMM backends: the Triton kernel (`fp8_w8a8_gemm`, what `apply` runs) and `t
 (`scaled_mm_gemm`, row-wise scales); bench/gpu_check.py measures both on the GPU.
 `reference` mirrors the activation quantization in torch, so apply and its twin differ only by
 accumulation order; the error against unquantized activations is bounded separately (tests).
+int8_w8a8 shares all but the weight codes and the activation rounding: the class (`TokenScaledKernel`),
+the per-token launch (`quantize_rows`, `row_amax_tile`) and the GEMM (`token_scaled_gemm`).
 """
 
 from __future__ import annotations

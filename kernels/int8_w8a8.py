@@ -4,7 +4,7 @@ For layers whose checkpoint declares dynamic per-token symmetric int8 activation
 W8A8, llm-compressor's W8A8 scheme). A Triton kernel quantizes every token row (one program per row,
 the semantics of kernels/codecs/int8.py), then the 1-byte-operand GEMM shared with fp8_w8a8
 (`token_scaled_gemm`) accumulates int8 x int8 exactly in int32 and applies
-y = acc * scale_t * weight_scale (+ bias) in fp32.
+y = acc * scale_t * weight_scale (+ bias) in fp32. The kernel class is fp8_w8a8's `TokenScaledKernel`.
 
 Targets sm80+: Triton lowers int8 `tl.dot` to int8 mma there. sm75 runs such layers weight-only
 (W8A16) through the kernels behind this one.
