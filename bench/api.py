@@ -144,9 +144,9 @@ def bench_backend(name: str, api: ApiProcess, n: int, concurrency: int, run_id: 
 
 def bench_e2e(workdir: Path) -> dict | None:
     try:
-        from devtools import checkpoints
+        from devtools.builders import smollm2
 
-        source = checkpoints.build_bf16()
+        source = smollm2.build_bf16()
     except Exception as e:
         print(f"e2e: SmolLM2 bf16 checkpoint unavailable ({e}); skipped")
         return None

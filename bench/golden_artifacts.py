@@ -1,7 +1,7 @@
 """The golden artifact set: sha256 of every file of a fixed set of conversions, to show that a change
 to the converter leaves the artifacts byte-identical.
 
-Sources are synthetic checkpoints (seeded, written by tests/helpers/synthetic.py: GPTQ with and
+Sources are synthetic checkpoints (seeded, written by devtools/builders/synthetic.py: GPTQ with and
 without act-order, AWQ, compressed-tensors int4 / FP8 / W8A8, FP8, dense; Llama, Qwen3-MoE,
 Mixtral) converted for every target family, online FP8 in each scheme, TP 2 and EP 2. The manifest
 is hashed without the fields that name the run (`created_at`, `kiln_version`, the source's path,
@@ -25,14 +25,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.convert.library import ConversionRequest, convert  # noqa: E402
-from tests.helpers.synthetic import (  # noqa: E402
+from devtools.builders.synthetic import (  # noqa: E402
     MIXTRAL_TINY,
     QWEN3_MOE_TINY,
     TINY,
     Dims,
     write_checkpoint,
 )
+from services.convert.library import ConversionRequest, convert  # noqa: E402
 
 RUN_FIELDS = ("created_at", "kiln_version")
 

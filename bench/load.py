@@ -11,7 +11,7 @@ jobs) with at most --max-in-flight outstanding; a request that cannot be sent on
 the achieved rate is reported next to the target. Afterwards every accepted submission is looked up
 in SQL: a 202 whose row is missing counts as lost, as does any request without a response.
 
-serve: `kiln serve` on a tiny random Llama artifact (tests/runtime/artifact_factory.py), with
+serve: `kiln serve` on a tiny random Llama artifact (devtools/builders/tiny_artifacts.py), with
 --stream-clients concurrent clients each sending --stream-requests streamed /v1/completions, every
 request bounded by --request-timeout and the whole phase by --serve-deadline. Reports time to first
 token, total latency, streamed tokens/s and errors (non-200, a stream without `[DONE]`, timeouts).
@@ -431,7 +431,7 @@ async def stream_clients(url: str, args: argparse.Namespace, model: str) -> dict
 
 
 def serve_phase(args: argparse.Namespace, workdir: Path) -> dict:
-    from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
+    from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 
     artifact = write_artifact(tiny_hf_model("llama"), workdir / "artifact")
     port = free_port()

@@ -5,7 +5,7 @@
 
 1. Conversion throughput, GB/s of the SOURCE checkpoint's bytes, on two synthetic Qwen3-MoE
    checkpoints (hidden 2048, E experts of I=768 top-4 in every layer, vocabulary 2048 so the experts
-   are most of the bytes; tests/helpers/synthetic.py, cached under .cache/kiln-bench):
+   are most of the bytes; devtools/builders/synthetic.py, cached under .cache/kiln-bench):
      gptq   GPTQ int4 g128 per-expert Linears -> sm80, marlin_moe_wna16 (the Marlin MoE layout)
      bf16   bf16 per-expert Linears -> sm90 with --method fp8 (per-tensor e4m3 per expert, fp8_moe_w8a8)
    Kiln runs `convert` end to end in a fresh process: read, decode, prepare, verify every expert
@@ -20,8 +20,8 @@
    ratio understates Kiln's lead on equal work. The peer's Marlin bytes of the first MoE layer are
    compared with Kiln's artifact and must be identical.
 2. Peak RSS of every process (VmHWM; devtools/process_memory.py) as a fraction of the source size.
-3. CPU decode tok/s at batch 1 and 8 of the tiny Qwen3-MoE of the tests (tests/fixtures/
-   moe_checkpoints.py: hidden 256, 8 experts top-2) served by Kiln (bf16 and GPTQ W4A16 artifacts),
+3. CPU decode tok/s at batch 1 and 8 of the tiny Qwen3-MoE of the tests (devtools/builders/moe.py:
+   hidden 256, 8 experts top-2) served by Kiln (bf16 and GPTQ W4A16 artifacts),
    next to transformers on the same bf16 checkpoint (bf16 and fp32), each in its own process
    (bench/runtime.py's children).
 
@@ -189,7 +189,7 @@ def run_child(python: str, args: list[str], timeout: int = 3600) -> dict[str, An
 
 def source_checkpoints(layers: int, experts: int) -> dict[str, Path]:
     """{"gptq": ..., "bf16": ...}: the synthetic Qwen3-MoE checkpoints, written once per shape."""
-    from tests.helpers.synthetic import TINY, Dims, write_checkpoint, write_large_checkpoint
+    from devtools.builders.synthetic import TINY, Dims, write_checkpoint, write_large_checkpoint
 
     dims = Dims(
         architecture="Qwen3MoeForCausalLM", hidden=2048, heads=16, kv_heads=4, head_dim=128, vocab=2048,
@@ -261,18 +261,18 @@ def bench_conversion(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
-    from devtools import checkpoints
-    from tests.fixtures.moe_checkpoints import build_quantized, build_qwen3_moe
+    from devtools.builders import smollm2
+    from devtools.builders.moe import build_quantized, build_qwen3_moe
 
     source = build_qwen3_moe("marlin")
     systems: dict[str, tuple[str, Path]] = {
-        "kiln-bf16": ("kiln", checkpoints.build_artifact(source, "cpu", method="auto")),
+        "kiln-bf16": ("kiln", smollm2.build_artifact(source, "cpu", method="auto")),
         "transformers-bf16": ("transformers-bfloat16", source),
         "transformers-fp32": ("transformers-float32", source),
     }
     try:
         gptq = build_quantized(source, "gptq-w4a16")
-        systems["kiln-int4-gptq"] = ("kiln", checkpoints.build_artifact(gptq, "cpu", method="auto"))
+        systems["kiln-int4-gptq"] = ("kiln", smollm2.build_artifact(gptq, "cpu", method="auto"))
     except ImportError as e:
         print(f"  skip kiln-int4-gptq: {e}")
     runtime_bench = REPO / "bench" / "runtime.py"

@@ -18,7 +18,7 @@ Every system runs in its own process, so each figure includes nothing of the oth
                B concurrent streams (continuous batching).
   peak RSS     the decode process's peak resident set (VmHWM; a server's processes summed).
 
-Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/checkpoints.py —
+Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/builders/smollm2.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
 declared and the same checkpoint weight-only — converted on first use and
 cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
@@ -330,29 +330,29 @@ def measure(python: str, system: str, path: str, args: argparse.Namespace) -> di
 
 
 def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
-    """The SmolLM2 CPU artifacts and the bf16 source, from devtools/checkpoints.py's cache."""
-    from devtools import checkpoints
+    """The SmolLM2 CPU artifacts and the bf16 source, from devtools/builders/smollm2.py's cache."""
+    from devtools.builders import smollm2
 
     sources: dict[str, tuple[Any, str, tuple[str, ...]]] = {
-        "bf16": (checkpoints.build_bf16, "auto", ()),
-        "fp8": (checkpoints.build_bf16, "fp8", ()),
-        "int4-gptq": (checkpoints.build_gptq, "auto", ()),
-        "int4-awq": (checkpoints.build_awq_packed, "auto", ()),
+        "bf16": (smollm2.build_bf16, "auto", ()),
+        "fp8": (smollm2.build_bf16, "fp8", ()),
+        "int4-gptq": (smollm2.build_gptq, "auto", ()),
+        "int4-awq": (smollm2.build_awq_packed, "auto", ()),
         # SmoothQuant W8A8 as declared (int8 x int8) and the same checkpoint weight-only
-        "int8-w8a8": (checkpoints.build_w8a8_int8, "auto", ()),
-        "int8-w8a8-as-w8a16": (checkpoints.build_w8a8_int8, "auto", ("cpu_w8a8",)),
+        "int8-w8a8": (smollm2.build_w8a8_int8, "auto", ()),
+        "int8-w8a8-as-w8a16": (smollm2.build_w8a8_int8, "auto", ("cpu_w8a8",)),
     }
     artifacts: dict[str, Path] = {}
     source: Path | None = None
     for name, (builder, method, disabled) in sources.items():
         try:
-            src = builder(None) if build else _existing(checkpoints.cache_root() / _dir_of(builder))
+            src = builder(None) if build else _existing(smollm2.cache_root() / _dir_of(builder))
             if src is None:
                 print(f"  skip kiln-{name}: source not built (run without --no-build)")
                 continue
-            if builder is checkpoints.build_bf16:
+            if builder is smollm2.build_bf16:
                 source = src
-            artifacts[f"kiln-{name}"] = checkpoints.build_artifact(
+            artifacts[f"kiln-{name}"] = smollm2.build_artifact(
                 src, "cpu", method=method, disabled_kernels=disabled
             )
         except Exception as e:  # a missing piece should not stop the other measurements
@@ -361,28 +361,26 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
 
 
 def _dir_of(builder: Any) -> str:
-    from devtools import checkpoints
+    from devtools.builders import smollm2
 
     return {
-        checkpoints.build_bf16: checkpoints.BF16_DIR,
-        checkpoints.build_gptq: checkpoints.GPTQ_DIR,
-        checkpoints.build_awq_packed: checkpoints.AWQ_PACKED_DIR,
-        checkpoints.build_w8a8_int8: checkpoints.W8A8_DIR,
+        smollm2.build_bf16: smollm2.BF16_DIR,
+        smollm2.build_gptq: smollm2.GPTQ_DIR,
+        smollm2.build_awq_packed: smollm2.AWQ_PACKED_DIR,
+        smollm2.build_w8a8_int8: smollm2.W8A8_DIR,
     }[builder]
 
 
 def _existing(path: Path) -> Path | None:
-    from devtools import checkpoints
+    from devtools.builders import smollm2
 
-    return path if checkpoints.is_complete(path) else None
+    return path if smollm2.is_complete(path) else None
 
 
 def _gptq_checkpoint(build: bool) -> Path | None:
-    from devtools import checkpoints
+    from devtools.builders import smollm2
 
-    return (
-        checkpoints.build_gptq(None) if build else _existing(checkpoints.cache_root() / checkpoints.GPTQ_DIR)
-    )
+    return smollm2.build_gptq(None) if build else _existing(smollm2.cache_root() / smollm2.GPTQ_DIR)
 
 
 def _median_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -603,9 +601,9 @@ def main() -> None:
         source = source or default_source
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None:
-        from devtools import checkpoints
+        from devtools.builders import smollm2
 
-        gguf = checkpoints.gguf_file()
+        gguf = smollm2.gguf_file()
 
     systems: list[tuple[str, str, str]] = [(name, sys.executable, str(p)) for name, p in artifacts.items()]
     if source is not None:

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers.synthetic import write_checkpoint  # noqa: E402
+from devtools.builders.synthetic import write_checkpoint  # noqa: E402
 from tests.reliability.kiln_api import kiln_api  # noqa: E402
 
 HOSTILE_CT = {

@@ -27,9 +27,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact  # noqa: E402
 from devtools.processes import Server  # noqa: E402
 from runtime.request_limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact  # noqa: E402
 
 MODEL = "tiny"
 INNOCENT = {"model": MODEL, "prompt": "Once upon", "max_tokens": 200, "ignore_eos": True, "temperature": 0.7}

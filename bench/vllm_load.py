@@ -54,8 +54,8 @@ DECODE_TOKENS = 128
 
 def big_checkpoint(target_gb: float) -> Path:
     """A Llama-7B-shaped (4096 wide) compressed-tensors GPTQ g128 checkpoint of ≥ target_gb on disk."""
-    from devtools.checkpoints import cache_root, is_complete
-    from tests.helpers.synthetic import TINY, write_large_checkpoint
+    from devtools.builders.smollm2 import cache_root, is_complete
+    from devtools.builders.synthetic import TINY, write_large_checkpoint
 
     per_layer = (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 11008) // 2  # int4 bytes
     fixed = 2 * 32000 * 4096 * 2  # bf16 embeddings and lm_head
@@ -180,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.vllm_python.exists():
         sys.exit(f"{args.vllm_python} not found: make vllm-venv")
-    from devtools.checkpoints import CheckpointUnavailable, build_artifact, build_gptq
+    from devtools.builders.smollm2 import CheckpointUnavailable, build_artifact, build_gptq
 
     target = args.target
     if target == "auto":
@@ -197,7 +197,7 @@ def main() -> None:
     if not args.skip_big:
         models.append((f"llama4096-gptq-g128-{args.big_gb:g}gb", big_checkpoint(args.big_gb), False))
     if not args.skip_moe:
-        from tests.fixtures.moe_checkpoints import build_quantized
+        from devtools.builders.moe import build_quantized
 
         models.append(("qwen3-moe-tiny-gptq-g128", build_quantized("qwen3-moe-marlin", "gptq-w4a16"), True))
     work = Path(tempfile.mkdtemp(prefix="kiln-vllm-load-"))

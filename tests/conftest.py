@@ -15,7 +15,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 pytest_plugins = [
     "tests.fixtures.s3",
     "tests.fixtures.checkpoints",
-    "tests.fixtures.moe_checkpoints",
+    "tests.fixtures.moe",
 ]
 
 

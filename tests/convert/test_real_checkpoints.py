@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from devtools import checkpoints
+from devtools.builders import smollm2
 from runtime.artifact.manifest import Manifest
 from services.convert.library import ConversionRequest, convert
 
@@ -71,7 +71,7 @@ def test_real_checkpoint_converts_and_verifies(
 ) -> None:
     fixture, method, source_format, cpu_kernels, sm80_kernels = CASES[case]
     source: Path = request.getfixturevalue(fixture)
-    artifact = checkpoints.build_artifact(source, target, method=method)
+    artifact = smollm2.build_artifact(source, target, method=method)
     manifest = Manifest.load(artifact)
 
     assert manifest.target == target
@@ -109,7 +109,7 @@ def test_real_checkpoint_converts_and_verifies(
 def test_real_checkpoint_conversion_is_a_stable_noop(case: str, request: pytest.FixtureRequest) -> None:
     fixture, method, *_ = CASES[case]
     source: Path = request.getfixturevalue(fixture)
-    first = checkpoints.build_artifact(source, "cpu", method=method)
+    first = smollm2.build_artifact(source, "cpu", method=method)
     (again,) = convert(
         ConversionRequest(source=str(source), targets=["cpu"], method=method, out=str(first.parent))
     )
@@ -196,7 +196,7 @@ def test_awq_checkpoint_dequantizes_to_the_awq_recipe(smollm2_awq_packed: Path, 
     assert tuple(qzeros.shape) == (576 // 64, 1536 // 8) and tuple(scales.shape) == (576 // 64, 1536)
 
     unpacked = dequantize_gemm(qweight, qzeros, scales.float(), 4, 64).t()  # (N, K)
-    w_hat, _, _ = checkpoints.awq_pseudo_quantize(source)
+    w_hat, _, _ = smollm2.awq_pseudo_quantize(source)
     assert torch.equal(unpacked, w_hat)
     step = scales.float().t().repeat_interleave(64, dim=1)  # (N, K)
     assert bool(((source - w_hat).abs() <= step * (1 + 1e-3)).all())

@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from devtools.builders.synthetic import llama_config
 from runtime.artifact.manifest import Manifest
 from services.cli import app
 from services.convert.library import ConversionRequest, convert, plan
 from services.settings import ServiceSettings as Settings
 from services.storage import open_store
 from services.storage.s3 import S3Store
-from tests.helpers.synthetic import llama_config
 
 
 def _upload(store: S3Store, local: Path, prefix: str) -> None:
@@ -126,7 +126,7 @@ def test_out_of_tree_format_plugin(plugin_on_path: Path, ckpt: Callable[[str], P
         else:
             moved[name] = t
     save_file(moved, str(path / "model.safetensors"))
-    cfg = llama_config(__import__("tests.helpers.synthetic", fromlist=["TINY"]).TINY, "bfloat16",
+    cfg = llama_config(__import__("devtools.builders.synthetic", fromlist=["TINY"]).TINY, "bfloat16",
                        {"quant_method": "kiln-test-transposed"})  # fmt: skip
     (path / "config.json").write_text(json.dumps(cfg))
 

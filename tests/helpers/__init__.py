@@ -1,1 +1,1 @@
-"""Test helpers shared across areas: synthetic checkpoint writers, error measures."""
+"""Test helpers shared across areas: error measures (checkpoint writers: devtools/builders)."""

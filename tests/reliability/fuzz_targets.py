@@ -2,7 +2,7 @@
 
 Each target is (generate(rnd) -> input, run(input)); `run` either succeeds or raises the target's
 documented error class (`ALLOWED`); anything else is a crash. Inputs are random bytes / JSON or
-mutations of valid files, configs from tests/helpers/synthetic.py and a real manifest.
+mutations of valid files, configs from devtools/builders/synthetic.py and a real manifest.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
+from devtools.builders.synthetic import Dims, write_checkpoint
 from kernels.errors import KilnError
 from kernels.targets import Target
 from runtime.artifact.manifest import Manifest, ManifestError
@@ -30,7 +31,6 @@ from services.convert.detect import detect_format
 from services.convert.plan import build_plan
 from services.convert.safetensors_io import parse_header, tensor_from_bytes
 from services.storage.local import LocalSource
-from tests.helpers.synthetic import Dims, write_checkpoint
 from tests.reliability.st_files import VALID_TENSORS, build, valid_file
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from devtools.builders.synthetic import Dims, write_checkpoint
 from kernels.errors import KilnError, LayoutError, UnsupportedError
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 from services.convert.library import ConversionRequest, convert, open_and_detect, plan
 from services.storage.local import LocalStore
-from tests.helpers.synthetic import Dims, write_checkpoint
 
 SMALL = Dims(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=64)
 Q = "model.layers.0.self_attn.q_proj"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from devtools.builders.synthetic import Dims, write_checkpoint
 from services.convert.errors import ConversionError
 from services.convert.library import ConversionRequest, convert, open_and_detect
 from services.settings import ServiceSettings as Settings
@@ -18,7 +19,6 @@ from services.storage.errors import StorageError
 from services.storage.keys import check_artifact_id, check_name, join_prefix
 from services.storage.local import LocalSource, LocalStore
 from services.storage.s3 import S3Store, parse_s3_url
-from tests.helpers.synthetic import Dims, write_checkpoint
 
 SMALL = Dims(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=64)
 INDEX = "model.safetensors.index.json"

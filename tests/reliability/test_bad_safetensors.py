@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from devtools.builders.synthetic import Dims, write_checkpoint
 from runtime.artifact.safetensors_header import FIX_HINT, MAX_HEADER_BYTES, SafetensorsFormatError
 from runtime.loader import CorruptRankFileError, LoadError, map_safetensors
 from services.convert.errors import ConversionError, SourceSafetensorsError
 from services.convert.library import ConversionRequest, convert
 from services.storage.local import LocalStore
-from tests.helpers.synthetic import Dims, write_checkpoint
 from tests.reliability.st_files import build, valid_header
 
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"

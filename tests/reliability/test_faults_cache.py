@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import write_artifact
 from runtime.artifact.pull import PullError, pull
 from runtime.loader import load_model
 from runtime.settings import RuntimeSettings as Settings
 from tests.fixtures.s3 import upload_artifact
-from tests.runtime.artifact_factory import write_artifact
 
 TMPFS_SIZE = "8m"
 HEADROOM_BYTES = 256 << 10  # free space left for the second pull: far less than it needs

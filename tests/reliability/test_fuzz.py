@@ -137,8 +137,8 @@ def test_the_manifest_fuzzer_counts_an_accepted_traversal_name_as_a_failure(
 @pytest.fixture(scope="module")
 def int4_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A GPTQ int4 g64 checkpoint converted for cpu (cpu_int4 layers, a quantized lm_head)."""
+    from devtools.builders.synthetic import Dims, write_checkpoint
     from services.convert.library import ConversionRequest, convert
-    from tests.helpers.synthetic import Dims, write_checkpoint
 
     work = tmp_path_factory.mktemp("fuzz-int4")
     dims = Dims(hidden=128, intermediate=256, layers=1, heads=2, kv_heads=1, head_dim=64, vocab=64)

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
+from devtools.builders.tiny_artifacts import VOCAB_SIZE, tiny_hf_model, write_artifact
 from runtime.sampling import MAX_LOGPROBS, SAMPLING_EPS, SEED_MAX, SEED_MIN
 from tests.reliability.fuzz_targets import fuzz_settings
-from tests.runtime.artifact_factory import VOCAB_SIZE, tiny_hf_model, write_artifact
 from tests.runtime.serving import RunningServer, serve_artifact
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.builders.synthetic import QWEN3_MOE_TINY, write_checkpoint
 from services.convert.limits import (
     CONFIG_JSON_MAX_BYTES,
     DIMENSION_CAPS,
@@ -33,7 +34,6 @@ from services.convert.limits import (
     check_pattern_work,
 )
 from services.redact import NO_LOCAL_CHECKPOINT
-from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
 from tests.reliability.kiln_api import KilnApi, kiln_api
 from tests.services.conftest import create_token
 

@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.builders.tiny_artifacts import VOCAB_SIZE, tiny_hf_model, write_artifact
 from devtools.processes import Server
 from runtime.request_limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, max_prompt_chars
-from tests.runtime.artifact_factory import VOCAB_SIZE, tiny_hf_model, write_artifact
 
 pytestmark = [pytest.mark.timing, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Tiny random artifacts (written once per session by tests/runtime/artifact_factory.py), shared by
+"""Tiny random artifacts (written once per session by devtools/builders/tiny_artifacts.py), shared by
 the runtime tests (model, engine, loader, pull, server)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 
 
 def _build(tmp_path_factory: pytest.TempPathFactory, arch: str, **kw: object) -> tuple[PreTrainedModel, Path]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from runtime.engine import AsyncEngine, ContextLengthError, Engine, RequestFailedError, RequestOutput
 from runtime.loader import load_model
 from runtime.sampling import InvalidRequestError, SamplingParams
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 
 
 def greedy(n: int) -> SamplingParams:

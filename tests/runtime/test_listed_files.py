@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import EOS_ID, copy_artifact, edit_manifest, list_file, unlist_file
 from runtime.artifact.listed_files import ListedFileError
 from runtime.chat import ChatTemplateError, apply_chat_template
 from runtime.loader import load_model
 from runtime.tokenizer import TokenizerError
-from tests.runtime.artifact_factory import EOS_ID, copy_artifact, edit_manifest, list_file, unlist_file
 
 MARKER_TEMPLATE = "UNLISTED-TEMPLATE {{ messages[0]['content'] }}"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from runtime.artifact.manifest import MANIFEST_NAME, ManifestError
 from runtime.loader import LoadError, TargetMismatchError, load_model
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 
 # RSS may grow by at most this fraction of the weights' bytes right after load (module objects,
 # tokenizer, page tables: a fixed few MB, not the weights).

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import copy_artifact, edit_manifest
 from runtime.artifact.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 from runtime.artifact.pull import verify_local
 from runtime.loader import load_model
-from tests.runtime.artifact_factory import copy_artifact, edit_manifest
 
 # Runs `kiln` (services.cli:main) and reports the process's peak RSS on stderr, however it exits.
 KILN_WITH_PEAK_RSS = """

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from devtools.builders.synthetic import Dims, write_checkpoint
 from runtime.artifact.manifest import MANIFEST_NAME
 from runtime.artifact.pull import PullError, verify_local
 from runtime.loader import LoadError, load_model
 from services.convert.library import ConversionRequest, convert
-from tests.helpers.synthetic import Dims, write_checkpoint
 
 INT4_DIMS = Dims(hidden=128, intermediate=256, layers=1, heads=2, kv_heads=1, head_dim=64, vocab=64)
 QKV = "model.layers.0.self_attn.qkv_proj"

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import copy_artifact, edit_manifest
 from kernels.errors import KilnError
 from runtime.artifact.manifest import ManifestError
 from runtime.loader import load_model
 from runtime.model_layout import ModelConfigError
-from tests.runtime.artifact_factory import copy_artifact, edit_manifest
 
 Edit = Callable[[dict[str, Any]], None]
 

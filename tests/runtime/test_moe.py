@@ -1,6 +1,6 @@
 """Serving Qwen3, Qwen3-MoE and Mixtral artifacts on CPU against transformers on the same checkpoint.
 
-Every cell converts a real checkpoint (tests/fixtures/moe_checkpoints.py: transformers-built, quantized
+Every cell converts a real checkpoint (devtools/builders/moe.py: transformers-built, quantized
 by llm-compressor) for the cpu target and compares the runtime's logits with transformers' fp32 model
 holding the checkpoint's weights (quantized ones dequantized by compressed-tensors). Online FP8
 (`--method fp8` on a bf16 source) is compared with the bf16 model whose linears are fake-quantized
@@ -164,7 +164,7 @@ def _record_router_logits(model: Any, into: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def cells(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Cell]:
     """cells(name) -> the converted, loaded cell and its reference (built once per module)."""
-    from tests.fixtures.moe_checkpoints import load_reference_model
+    from devtools.builders.moe import load_reference_model
 
     built: dict[str, Cell] = {}
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from tests.runtime.serving import MODEL_NAME, RunningServer, free_port, serve_artifact, wait_healthy
 
 pytestmark = pytest.mark.timeout(120)

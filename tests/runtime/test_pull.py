@@ -11,12 +11,12 @@ import boto3
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import write_artifact
 from runtime.artifact.manifest import MANIFEST_NAME, Manifest
 from runtime.artifact.pull import PROGRESS_SUFFIX, PullError, PullProgress, pull
 from runtime.loader import load_model
 from runtime.settings import RuntimeSettings as Settings
 from tests.fixtures.s3 import upload_artifact
-from tests.runtime.artifact_factory import write_artifact
 
 CHUNK = 64 << 10  # small ranges so that every rank file takes several GETs
 

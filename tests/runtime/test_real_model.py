@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from devtools import checkpoints
+from devtools.builders import smollm2
 from devtools.eval import generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.chat import apply_chat_template
 from runtime.loader import LoadedModel, load_model
@@ -167,7 +167,7 @@ def record_perplexity(name: str, result: dict[str, Any]) -> None:
 def test_perplexity_on_gpl3(case: Case) -> None:
     tok = case.loaded.tokenizer
     assert tok is not None
-    result = text_perplexity(runtime_logits_fn(case.loaded), tok, checkpoints.PERPLEXITY_TEXT.read_text())
+    result = text_perplexity(runtime_logits_fn(case.loaded), tok, smollm2.PERPLEXITY_TEXT.read_text())
     low, high = case.ppl_range
     print(f"\nperplexity {case.name} ({case.loaded.manifest.artifact_id}): {result.perplexity:.3f}")
     record_perplexity(
@@ -208,22 +208,20 @@ def test_llmcompressor_awq_end_to_end(smollm2_bf16: Path) -> None:
     from devtools.demo import answer
     from runtime.artifact.manifest import Manifest
 
-    source = checkpoints.build_awq_llmcompressor()
+    source = smollm2.build_awq_llmcompressor()
     qcfg = json.loads((source / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "pack-quantized"
     (group,) = qcfg["config_groups"].values()
-    assert group["weights"]["symmetric"] is False and group["weights"]["group_size"] == checkpoints.GROUP_SIZE
+    assert group["weights"]["symmetric"] is False and group["weights"]["group_size"] == smollm2.GROUP_SIZE
 
     for target in ("cpu", "sm80"):
-        manifest = Manifest.load(checkpoints.build_artifact(source, target))
+        manifest = Manifest.load(smollm2.build_artifact(source, target))
         assert manifest.verification.ok and manifest.verification.layers_checked == len(manifest.layers)
-    cpu = checkpoints.build_artifact(source, "cpu")
+    cpu = smollm2.build_artifact(source, "cpu")
     loaded = load_model(cpu)
     assert {e.kernel for e in loaded.manifest.layers.values()} == {"cpu_int4"}
     assert loaded.tokenizer is not None
-    result = text_perplexity(
-        runtime_logits_fn(loaded), loaded.tokenizer, checkpoints.PERPLEXITY_TEXT.read_text()
-    )
+    result = text_perplexity(runtime_logits_fn(loaded), loaded.tokenizer, smollm2.PERPLEXITY_TEXT.read_text())
     print(f"\nperplexity llmcompressor-awq ({loaded.manifest.artifact_id}): {result.perplexity:.3f}")
     record_perplexity(
         "int4-awq-llmcompressor", {**result.to_json(), "artifact_id": loaded.manifest.artifact_id}

@@ -14,12 +14,12 @@ import httpx
 import pytest
 import uvicorn
 
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from runtime.distributed import free_port
 from runtime.engine import AsyncEngine, Engine
 from runtime.loader import load_model
 from runtime.openai import build_app
 from runtime.serve_cli import run_beside_engine
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 from tests.runtime.serving import MODEL_NAME, wait_healthy
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.timing]

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.tiny_artifacts import write_artifact
 from devtools.processes import Server
-from tests.runtime.artifact_factory import write_artifact
 from tests.runtime.serving import MODEL_NAME, serve_artifact
 
 pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py

@@ -14,9 +14,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from runtime.chat import apply_chat_template
 from runtime.request_limits import max_prompt_chars
-from tests.runtime.artifact_factory import tiny_hf_model, write_artifact
 from tests.runtime.serving import MODEL_NAME, RunningServer, serve_artifact
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from tests.runtime.artifact_factory import write_artifact
+from devtools.builders.tiny_artifacts import write_artifact
 from tests.runtime.tp_ranks import ranks_tokens, single_process_tokens
 
 PROMPTS = [[5, 6, 7, 8], [100, 90, 80], list(range(30, 70))]

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
+from devtools.builders.synthetic import QWEN3_MOE_TINY, Dims, write_checkpoint
+from devtools.builders.tiny_artifacts import copy_artifact, edit_manifest
 from runtime.artifact.manifest import MANIFEST_NAME, ManifestError
 from runtime.artifact.manifest_pin import RECORD_NAME, ManifestPinError
 from runtime.artifact.pull import pull, verify_local
@@ -22,8 +24,6 @@ from runtime.model_layout import ModelConfigError
 from runtime.settings import RuntimeSettings as Settings
 from services.convert.library import ConversionRequest, convert
 from tests.fixtures.s3 import upload_artifact
-from tests.helpers.synthetic import QWEN3_MOE_TINY, Dims, write_checkpoint
-from tests.runtime.artifact_factory import copy_artifact, edit_manifest
 
 Edit = Callable[[dict[str, Any]], None]
 ID_FIELD_EDITS: dict[str, Edit] = {

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from devtools import checkpoints
+from devtools.builders import smollm2
 from devtools.eval import PerplexityResult, generate_greedy, runtime_logits_fn, text_perplexity
 from runtime.loader import load_model
 from tests.fixtures.checkpoints import reference_model
@@ -37,7 +37,7 @@ W8A8_EXTRA_COST_TOL = 0.01
 
 def _ppl(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokenizer: Any) -> PerplexityResult:
     with torch.inference_mode():
-        return text_perplexity(logits_fn, tokenizer, checkpoints.PERPLEXITY_TEXT.read_text())
+        return text_perplexity(logits_fn, tokenizer, smollm2.PERPLEXITY_TEXT.read_text())
 
 
 def _transformers_w8a8(source: Path) -> Any:

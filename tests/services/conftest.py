@@ -291,7 +291,7 @@ def wait_for_job(
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The synthetic tiny bf16 Llama (2 layers, hidden 256) as a checkpoint directory."""
-    from tests.helpers.synthetic import write_checkpoint
+    from devtools.builders.synthetic import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", "dense", dtype="bfloat16")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from devtools.builders.synthetic import write_checkpoint
 from services.api.app import create_app
 from services.settings import ServiceSettings as Settings
-from tests.helpers.synthetic import write_checkpoint
 from tests.services.conftest import create_token, free_port, make_settings
 
 MAX_BODY = 4096

@@ -78,8 +78,8 @@ def test_embedded_api_converts_a_moe_checkpoint_expert_parallel(
     tmp_path: Path, serve_app: Callable[..., str]
 ) -> None:
     """`options.expert_parallel` over REST: each rank file holds only its experts, as `kiln convert --ep`."""
+    from devtools.builders.synthetic import QWEN3_MOE_TINY, write_checkpoint
     from runtime.artifact.manifest import Manifest
-    from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
 
     source = write_checkpoint(tmp_path / "qwen3-moe", "gptq", dims=QWEN3_MOE_TINY, group_size=64)
     settings = Settings(_env_file=None, data_dir=tmp_path / "var", environment="development")  # type: ignore[call-arg]

@@ -1,6 +1,6 @@
 """The worker over the real stack: REST -> PostgreSQL -> Redis -> Celery prefork process -> S3.
 
-Conversions use the synthetic tiny bf16 Llama (tests/helpers/synthetic.py) for speed; tests that
+Conversions use the synthetic tiny bf16 Llama (devtools/builders/synthetic.py) for speed; tests that
 must interrupt a conversion mid-flight slow it with `KILN_CONVERT_LAYER_DELAY_S` (a documented
 sleep between layers in the worker's cancellation check).
 """

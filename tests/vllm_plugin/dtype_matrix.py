@@ -1,5 +1,5 @@
 """The checkpoints and artifacts of the plugin's dtype matrix: source dtype × method, each a real
-checkpoint of a tiny random Qwen3 / Qwen3-MoE / Mixtral (tests/fixtures/moe_checkpoints.py), and
+checkpoint of a tiny random Qwen3 / Qwen3-MoE / Mixtral (devtools/builders/moe.py), and
 its CPU artifact.
 
     dense       the source itself                                  (vLLM: unquantized)
@@ -22,8 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from devtools import checkpoints
-from tests.fixtures import moe_checkpoints as mc
+from devtools.builders import moe, smollm2
 
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 METHODS = ("dense", "fp8-online", "gptq", "awq", "w8a8", "moe-gptq", "moe-fp8")
@@ -34,8 +33,8 @@ AWQ_GROUP_SIZE = 128
 
 @dataclass(frozen=True)
 class Method:
-    spec: str  # moe_checkpoints.SPECS name of the model
-    scheme: str | None  # moe_checkpoints.SCHEMES name; None: the source as saved
+    spec: str  # moe.SPECS name of the model
+    scheme: str | None  # moe.SCHEMES name; None: the source as saved
     convert_method: str = "auto"  # kiln convert --method
     vllm_quantization: str | None = None  # what vLLM is asked for on the original checkpoint
 
@@ -54,20 +53,20 @@ METHOD_SPECS: dict[str, Method] = {
 def source_checkpoint(method: str, dtype: str) -> Path:
     """The original checkpoint of a matrix cell (built once per cache)."""
     m = METHOD_SPECS[method]
-    source = mc.build_source(m.spec, dtype=dtype)
+    source = moe.build_source(m.spec, dtype=dtype)
     if m.scheme is None:
         return source
     if m.scheme == "awq-gemm":
-        return checkpoints._cached_build(
+        return smollm2._cached_build(
             f"{source.name}--awq-gemm-g{AWQ_GROUP_SIZE}-v1",
             None,
-            lambda out: checkpoints.write_awq_gemm(source, out, group_size=AWQ_GROUP_SIZE, dtype=None),
+            lambda out: smollm2.write_awq_gemm(source, out, group_size=AWQ_GROUP_SIZE, dtype=None),
         )
-    return mc.build_quantized(source, m.scheme)
+    return moe.build_quantized(source, m.scheme)
 
 
 def artifact(method: str, dtype: str) -> Path:
     """The CPU artifact of a matrix cell (converted once per cache)."""
-    return checkpoints.build_artifact(
+    return smollm2.build_artifact(
         source_checkpoint(method, dtype), "cpu", method=METHOD_SPECS[method].convert_method
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.builders.synthetic import QWEN3_MOE_TINY, write_checkpoint
 from runtime.artifact.hf_config import KILN_QUANT_METHOD
 from runtime.artifact.manifest import Manifest
 from runtime.loader import LoadError, TargetMismatchError, checked_linear_layers, map_rank_files
@@ -16,7 +17,6 @@ from runtime.model_layout import ModelConfig
 from runtime.vllm_plugin.artifact import PluginError, VllmArtifact, open_artifact
 from runtime.vllm_plugin.compat import ALLOW_UNTESTED_ENV, UnsupportedVllmError, check_vllm_version
 from services.convert.library import ConversionRequest, convert
-from tests.helpers.synthetic import QWEN3_MOE_TINY, write_checkpoint
 
 
 def _convert(tmp_path: Path, fmt: str, target: str, tp: int = 1, **kw: object) -> Path:

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 
+from devtools.builders.synthetic import write_checkpoint
+from devtools.builders.tiny_artifacts import BOS_ID
 from services.convert.library import ConversionRequest, convert
-from tests.helpers.synthetic import write_checkpoint
-from tests.runtime.artifact_factory import BOS_ID
 from tests.vllm_plugin.dtype_matrix import (
     METHOD_SPECS,
     METHODS,

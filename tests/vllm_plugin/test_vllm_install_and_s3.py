@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
+from devtools.builders.synthetic import write_checkpoint
 from runtime.artifact.manifest import MANIFEST_NAME, read_manifest_bytes
 from runtime.artifact.manifest_pin import PIN_MARK, ManifestPinError, manifest_sha256
 from runtime.artifact.pull import PullError
@@ -21,7 +22,6 @@ from runtime.distributed import free_port
 from runtime.vllm_plugin.remote import RemoteArtifactError, use_pulled_artifact
 from services.convert.library import ConversionRequest, convert
 from tests.fixtures.s3 import upload_artifact
-from tests.helpers.synthetic import write_checkpoint
 from tests.vllm_plugin.vllm_host import (
     REPO,
     STARTUP_TIMEOUT_S,

