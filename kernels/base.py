@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 
@@ -404,9 +404,15 @@ def token_quantized_reference(
     return y.to(x.dtype).reshape(*x.shape[:-1], spec.n)
 
 
-@dataclass
-class KernelChoice:
-    """The registry's answer for one layer: the kernel and why the others were skipped."""
+ChosenKernel = TypeVar("ChosenKernel")  # a LinearKernel or an MoEKernel
 
-    kernel: LinearKernel
-    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+@dataclass(frozen=True)
+class KernelChoice(Generic[ChosenKernel]):
+    """The registry's answer for one layer or expert group: the kernel, why each kernel ahead of it
+    was skipped, and whether one of those would have taken the scheme at a kernel-friendly shape
+    (the unit fell back because of its shape, not its scheme)."""
+
+    kernel: ChosenKernel
+    rejected: list[tuple[str, str]]
+    shape_fallback: bool

@@ -206,9 +206,3 @@ def expert_slices(tensors: dict[str, torch.Tensor], prefix: str, expert: int) ->
     """Expert `expert`'s per-expert tensors of the w13 or w2 part: "w13.qweight"[e] -> "qweight"."""
     head = prefix + "."
     return {name[len(head) :]: t[expert] for name, t in tensors.items() if name.startswith(head)}
-
-
-@dataclass
-class MoEKernelChoice:
-    kernel: MoEKernel
-    rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)

@@ -19,12 +19,11 @@ import dataclasses
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Generic, TypeVar
+from typing import TypeVar
 
-from kernels.base import LinearKernel, LinearSpec, Target
+from kernels.base import KernelChoice, LinearKernel, LinearSpec, Target
 from kernels.errors import KilnError, NoKernelError
 from kernels.moe.stacked import stacked_experts
 from kernels.moe_base import MoEKernel, MoESpec
@@ -40,16 +39,6 @@ FRIENDLY_EXPERT = (4096, 1024)  # (hidden, intermediate)
 
 K = TypeVar("K", LinearKernel, MoEKernel)
 S = TypeVar("S", LinearSpec, MoESpec)
-
-
-@dataclass(frozen=True)
-class KernelChoice(Generic[K]):
-    """The registry's answer for one layer or expert group: the kernel, why each kernel ahead of it
-    was skipped, and whether one of those would have taken the scheme at a kernel-friendly shape."""
-
-    kernel: K
-    rejected: list[tuple[str, str]]
-    shape_fallback: bool
 
 
 # Every built-in kernel ("module:Class"), most preferred first.
