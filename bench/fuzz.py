@@ -1,13 +1,15 @@
 """Fuzz the untrusted-input readers with >= 10,000 cases per target and report any crash.
 
 Targets (tests/reliability/fuzz_targets.py): the safetensors header validator + converter reader +
-runtime mmap loader, the config detector (+ plan), and Manifest.parse. A crash is any exception
-other than the target's documented error class (SafetensorsFormatError / KilnError / ManifestError).
-Each case is generated from random.Random(seed + i), so a crash is replayed with its seed.
+runtime mmap loader, the config detector (+ plan), Manifest.parse, and the GGUF container parser
+(checked against gguf.GGUFReader on every file it accepts). A crash is any exception other than the
+target's documented error class (SafetensorsFormatError / KilnError / ManifestError /
+GgufFormatError). Each case is generated from random.Random(seed + i), so a crash is replayed with
+its seed.
 
-    .venv/bin/python bench/fuzz.py [--cases 10000] [--seconds 600] [--seed 0]
+    .venv/bin/python bench/fuzz.py [--cases 10000] [--seconds 600] [--seed 0] [--targets gguf,...]
 
-Results: printed, and saved to bench/results/fuzz.json.
+Results: printed, and saved to bench/results/fuzz.json (all targets) or fuzz-<targets>.json.
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from kernels.errors import KilnError  # noqa: E402
 from runtime.artifact.manifest import ManifestError  # noqa: E402
 from runtime.artifact.safetensors_header import SafetensorsFormatError  # noqa: E402
+from services.convert.gguf.container import GgufFormatError  # noqa: E402
 from tests.reliability.fuzz_targets import (  # noqa: E402
     ConfigTarget,
+    GgufTarget,
     ManifestTarget,
     SafetensorsTarget,
+    gen_gguf,
     gen_safetensors,
     manifest_from_conversion,
 )
+
+TARGETS = ("safetensors", "config", "manifest", "gguf")
+Target = tuple[Callable[[random.Random], Any], Callable[[Any], bool], type[Exception]]
 
 
 def fuzz(
@@ -93,27 +101,36 @@ def fuzz(
     return out
 
 
+def target(name: str, work: Path) -> Target:
+    """(generate, run, documented error) of one target, built only when selected."""
+    if name == "safetensors":
+        return gen_safetensors, SafetensorsTarget(with_loader=True).run, SafetensorsFormatError
+    if name == "config":
+        config_target = ConfigTarget(work / "configs")
+        return config_target.generate, config_target.run, KilnError
+    if name == "manifest":
+        manifest_target = ManifestTarget(manifest_from_conversion(work))
+        return manifest_target.generate, manifest_target.run, ManifestError
+    return gen_gguf, GgufTarget(differential=True).run, GgufFormatError
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=10_000, help="cases per target")
     ap.add_argument("--seconds", type=float, default=600.0, help="time budget per target")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     args = ap.parse_args()
+    names = [n for n in args.targets.split(",") if n]
+    if not names or set(names) - set(TARGETS):
+        ap.error(f"--targets: choose among {', '.join(TARGETS)}")
     logging_off()
     with tempfile.TemporaryDirectory(prefix="kiln-fuzz-") as tmp:
-        work = Path(tmp)
-        st_target = SafetensorsTarget(with_loader=True)
-        config_target = ConfigTarget(work / "configs")
-        manifest_target = ManifestTarget(manifest_from_conversion(work))
         results = [
-            fuzz("safetensors", gen_safetensors, st_target.run, SafetensorsFormatError,
-                 args.cases, args.seconds, args.seed),
-            fuzz("config", config_target.generate, config_target.run, KilnError,
-                 args.cases, args.seconds, args.seed),
-            fuzz("manifest", manifest_target.generate, manifest_target.run, ManifestError,
-                 args.cases, args.seconds, args.seed),
-        ]  # fmt: skip
-    out = REPO / "bench" / "results" / "fuzz.json"
+            fuzz(name, *target(name, Path(tmp)), args.cases, args.seconds, args.seed) for name in names
+        ]
+    stem = "fuzz" if names == list(TARGETS) else f"fuzz-{'-'.join(names)}"
+    out = REPO / "bench" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps({"seed": args.seed, "cases_requested": args.cases, "targets": results}, indent=2)

@@ -2,12 +2,15 @@
 
 Each target is (generate(rnd) -> input, run(input)); `run` either succeeds or raises the target's
 documented error class (`ALLOWED`); anything else is a crash. Inputs are random bytes / JSON or
-mutations of valid files, configs from devtools/builders/synthetic.py and a real manifest.
+mutations of valid files (safetensors, GGUF written by the gguf package), configs from
+devtools/builders/synthetic.py and a real manifest.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import json
 import math
 import random
@@ -18,6 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import HealthCheck, settings
 
 from devtools.builders.synthetic import Dims, write_checkpoint
@@ -28,6 +33,7 @@ from runtime.artifact.safetensors_header import DTYPE_SIZES, SafetensorsFormatEr
 from runtime.loader import map_safetensors
 from services.convert.checkpoint import Checkpoint, open_checkpoint
 from services.convert.detect import detect_format
+from services.convert.gguf.container import GgufFile, GgufFormatError, parse_gguf
 from services.convert.plan import build_plan
 from services.convert.safetensors_io import parse_header, tensor_from_bytes
 from services.storage.local import LocalSource
@@ -475,3 +481,208 @@ class ManifestValuesTarget:
         if not tokens or not all(0 <= t < vocab and math.isfinite(lp) for t, lp in tokens):
             raise FailedAtFirstToken(f"{case}: loaded, then produced (token, logprob) {tokens}")
         return True
+
+
+# ---- (e) GGUF container ----------------------------------------------------------------------------
+
+# key -> (value, value type, array element type): every GGUF value type, and arrays of six of them.
+SAMPLE_GGUF_METADATA: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {
+    "sample.u8": (200, GGUFValueType.UINT8, None),
+    "sample.i8": (-100, GGUFValueType.INT8, None),
+    "sample.u16": (60_000, GGUFValueType.UINT16, None),
+    "sample.i16": (-30_000, GGUFValueType.INT16, None),
+    "sample.u32": (4_000_000_000, GGUFValueType.UINT32, None),
+    "sample.i32": (-2_000_000_000, GGUFValueType.INT32, None),
+    "sample.f32": (0.1, GGUFValueType.FLOAT32, None),
+    "sample.bool": (True, GGUFValueType.BOOL, None),
+    "sample.string": ("héllo ✓ <0x0A>", GGUFValueType.STRING, None),
+    "sample.u64": (2**64 - 1, GGUFValueType.UINT64, None),
+    "sample.i64": (-(2**62), GGUFValueType.INT64, None),
+    "sample.f64": (1e-300, GGUFValueType.FLOAT64, None),
+    "sample.strings": (["<s>", "", "ünï", "Ġthe"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+    "sample.i32s": ([1, -2, 3], GGUFValueType.ARRAY, GGUFValueType.INT32),
+    "sample.u64s": ([0, 2**64 - 1], GGUFValueType.ARRAY, GGUFValueType.UINT64),
+    "sample.u8s": ([0, 255, 7], GGUFValueType.ARRAY, GGUFValueType.UINT8),
+    "sample.f32s": ([0.25, -1.5], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+    "sample.bools": ([True, False, True], GGUFValueType.ARRAY, GGUFValueType.BOOL),
+}
+
+
+def sample_gguf_tensors() -> dict[str, tuple[np.ndarray[Any, Any], GGMLQuantizationType | None]]:
+    """name -> (array, raw ggml type): plain F32 / F16 / I32 arrays, and quantized ones as raw
+    bytes (GGUFWriter derives the shape from the byte rows: 68 Q8_0 bytes are 64 values)."""
+    rng = np.random.default_rng(0)
+    return {
+        "token_embd.weight": (rng.integers(0, 256, (4, 68), dtype=np.uint8), GGMLQuantizationType.Q8_0),
+        "blk.0.attn_q.weight": (rng.integers(0, 256, (2, 144), dtype=np.uint8), GGMLQuantizationType.Q4_K),
+        "output_norm.weight": (rng.standard_normal(64).astype(np.float32), None),
+        "blk.0.ffn_up.weight": (rng.standard_normal((3, 8)).astype(np.float16), None),
+        "blk.0.conv.weight": (rng.standard_normal((2, 3, 4)).astype(np.float32), None),
+        "rope_ids": (np.arange(5, dtype=np.int32), None),
+    }
+
+
+def write_sample_gguf(path: Path, *, alignment: int | None = None) -> Path:
+    """A small GGUF written by the gguf package's own GGUFWriter (SAMPLE_GGUF_METADATA and
+    sample_gguf_tensors), with `general.alignment` when `alignment` is given."""
+    writer = GGUFWriter(path, arch="llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for key, (value, vtype, sub_type) in SAMPLE_GGUF_METADATA.items():
+        writer.add_key_value(key, value, vtype, sub_type)
+    for name, (array, raw_dtype) in sample_gguf_tensors().items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_reader_view(path: Path) -> dict[str, Any]:
+    """What gguf.GGUFReader, the reference reader, makes of a file, in `gguf_view`'s terms."""
+    reader = GGUFReader(path)
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = [
+        (t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
+    return {
+        "metadata": {k: f.contents() for k, f in fields.items()},
+        "types": {k: tuple(int(t) for t in f.types) for k, f in fields.items()},
+        "tensors": tensors,
+        "alignment": int(reader.alignment),
+        "data_start": int(reader.data_offset),
+    }
+
+
+def gguf_view(parsed: GgufFile) -> dict[str, Any]:
+    """parse_gguf's result as gguf_reader_view shows a file (an empty array's type: just ARRAY)."""
+    tensors = [(t.name, t.ggml_type, t.shape, t.start, t.nbytes) for t in parsed.tensors.values()]
+    return {
+        "metadata": parsed.metadata,
+        "types": {k: t[:1] if parsed.metadata[k] == [] else t for k, t in parsed.value_types.items()},
+        "tensors": tensors,
+        "alignment": parsed.alignment,
+        "data_start": parsed.data_start,
+    }
+
+
+@dataclass(frozen=True)
+class GgufSeed:
+    blob: bytes
+    data_start: int
+    fields: tuple[tuple[int, int], ...]  # (offset, width 4 or 8) of every u32 / u64 field of the header
+
+
+@functools.cache
+def gguf_seed() -> GgufSeed:
+    """The sample GGUF and where its integer fields lie (counts, lengths, type ids, dims, offsets),
+    located by GGUFReader, independently of the parser under test."""
+    with tempfile.TemporaryDirectory(prefix="kiln-gguf-seed-") as tmp:
+        path = write_sample_gguf(Path(tmp) / "seed.gguf")
+        reader = GGUFReader(path)
+        base = reader.data.ctypes.data
+        parts = [p for f in reader.fields.values() for p in f.parts]
+        parts += [p for t in reader.tensors for p in t.field.parts]
+        fields = {
+            (p.ctypes.data - base + i * p.dtype.itemsize, p.dtype.itemsize)
+            for p in parts
+            if p.dtype in (np.uint32, np.uint64)
+            for i in range(p.size)
+        }
+        seed = GgufSeed(path.read_bytes(), int(reader.data_offset), tuple(sorted(fields)))
+        del reader, parts
+    return seed
+
+
+def _hostile_int(value: int, width: int, size: int, rnd: random.Random) -> int:
+    if width == 4:
+        choices = (0, 1, 2, 3, 4, 5, 8, 9, 12, 13, 31, 33, 39, 42, 64, 2**31, 2**32 - 1, value + 1, value ^ 1)
+        value = rnd.choice(choices) if rnd.random() < 0.7 else rnd.randrange(48)
+    else:
+        choices = (0, 1, 2, 7, 2**10 + 1, 2**24 + 1, 2**32, 2**63, 2**64 - 1, size, size - 1, value + 1,
+                   value - 1, value * 2, value + 32, (16 << 20) + 1)  # fmt: skip
+        value = rnd.choice(choices) if rnd.random() < 0.9 else rnd.getrandbits(64)
+    return value % (1 << (8 * width))
+
+
+def _mutate_gguf(seed: GgufSeed, rnd: random.Random) -> bytes:
+    """Bit flips (mostly in the header), truncations, byte insertions / deletions, and integer fields
+    (lengths, counts, type ids, dims, offsets) set to hostile values."""
+    b = bytearray(seed.blob)
+    for _ in range(rnd.randrange(1, 4)):
+        op = rnd.randrange(6)
+        if op in (0, 1):
+            offset, width = rnd.choice(seed.fields)
+            if offset + width <= len(b):
+                old = int.from_bytes(b[offset : offset + width], "little")
+                b[offset : offset + width] = _hostile_int(old, width, len(b), rnd).to_bytes(width, "little")
+        elif op == 2 and b:
+            i = rnd.randrange(min(len(b), seed.data_start)) if rnd.random() < 0.8 else rnd.randrange(len(b))
+            b[i] ^= 1 << rnd.randrange(8)
+        elif op == 3:
+            del b[rnd.randrange(len(b) + 1) :]
+        elif op == 4:
+            i = rnd.randrange(len(b) + 1)
+            b[i:i] = bytes(rnd.randrange(256) for _ in range(rnd.randrange(1, 9)))
+        elif b:
+            i = rnd.randrange(len(b))
+            del b[i : i + rnd.randrange(1, 9)]
+    return bytes(b)
+
+
+def gen_gguf(rnd: random.Random) -> tuple[bytes, int]:
+    """(file bytes, probe length): random bytes now and then, mostly a mutated sample GGUF."""
+    if rnd.random() < 0.08:
+        head = rnd.choice((b"", b"GGUF", b"GGUF\x03\x00\x00\x00", b"GGUF\x00\x00\x00\x03"))
+        blob = head + bytes(rnd.randrange(256) for _ in range(rnd.randrange(64)))
+    else:
+        blob = _mutate_gguf(gguf_seed(), rnd)
+    return blob, rnd.choice((0, 8, 24, 100, 512, len(blob)))
+
+
+class GgufMismatch(AssertionError):
+    """parse_gguf accepted a file that gguf.GGUFReader reads differently (or not at all)."""
+
+
+@dataclass
+class GgufTarget:
+    """parse_gguf: a GgufFile or GgufFormatError, nothing else. It asks only for byte ranges inside
+    the file; an accepted file's tensors lie inside it after the header, without overlap, and (with
+    `differential`) GGUFReader reads the same metadata and tensors from it."""
+
+    differential: bool = True
+    _dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def run(self, case: tuple[bytes, int]) -> bool:
+        blob, probe = case
+
+        def more(start: int, end: int) -> bytes:
+            assert min(probe, len(blob)) <= start < end <= len(blob), f"read of {start}-{end}"
+            return blob[start:end]
+
+        try:
+            parsed = parse_gguf("fuzz.gguf", blob[:probe], more, len(blob))
+        except GgufFormatError:
+            return False
+        ordered = sorted(parsed.tensors.values(), key=lambda t: t.start)
+        assert all(parsed.data_start <= t.start < t.end <= len(blob) for t in ordered)
+        assert all(a.end <= b.start for a, b in itertools.pairwise(ordered))
+        if self.differential:
+            self._compare(blob, parsed)
+        return True
+
+    def _compare(self, blob: bytes, parsed: GgufFile) -> None:
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="kiln-fuzz-gguf-")
+        path = Path(self._dir.name) / "fuzz.gguf"
+        path.write_bytes(blob)
+        try:
+            reference = gguf_reader_view(path)
+        except Exception as e:  # the reference reader refusing a file parse_gguf accepted
+            raise GgufMismatch(f"accepted, but GGUFReader raised {type(e).__name__}: {e}") from e
+        ours = gguf_view(parsed)
+        if repr(ours) != repr(reference):  # repr: NaN metadata values compare equal
+            diff = [k for k in ours if repr(ours[k]) != repr(reference[k])]
+            raise GgufMismatch(f"parse_gguf and GGUFReader differ in {diff}")

@@ -1,7 +1,9 @@
 """Property-based fuzzing (bounded; bench/fuzz.py runs >= 10,000 cases per target): over the
-safetensors header validator and readers, the config detector and Manifest.parse, every input either
-succeeds or raises the target's documented error class — SafetensorsFormatError, a KilnError
-(QuantConfigError / ConversionError / UnsupportedError), ManifestError — never anything else.
+safetensors header validator and readers, the config detector, Manifest.parse and the GGUF container
+parser, every input either succeeds or raises the target's documented error class —
+SafetensorsFormatError, a KilnError (QuantConfigError / ConversionError / UnsupportedError),
+ManifestError, GgufFormatError — never anything else (and a GGUF file the parser accepts reads the
+same through gguf.GGUFReader).
 
 Manifest values, exhaustively: every numeric field of two real manifests (a dense Llama, a GPTQ int4
 conversion) set to every hostile value (NaN, ±inf, negative, zero, huge, wrong types) is refused at
@@ -20,11 +22,14 @@ from tests.reliability.fuzz_targets import (
     ConfigTarget,
     CrashedAtLoad,
     FailedAtFirstToken,
+    GgufTarget,
     ManifestTarget,
     ManifestValuesTarget,
     SafetensorsTarget,
     fuzz_settings,
+    gen_gguf,
     gen_safetensors,
+    gguf_seed,
     manifest_from_conversion,
     random_json,
 )
@@ -79,6 +84,21 @@ def test_safetensors_generated_headers(header: dict[str, object], data_len: int)
     SAFETENSORS.run(build(header, bytes(data_len)))
 
 
+GGUF = GgufTarget(differential=True)
+
+
+@FUZZ
+@given(RNG)
+def test_gguf_mutated_files(rnd: random.Random) -> None:
+    GGUF.run(gen_gguf(rnd))
+
+
+@FUZZ
+@given(st.binary(max_size=128), st.integers(0, 128))
+def test_gguf_random_bytes(blob: bytes, probe: int) -> None:
+    GGUF.run((b"GGUF\x03\x00\x00\x00" + blob, probe))
+
+
 @FUZZ
 @given(RNG)
 def test_config_detector(config_target: ConfigTarget, rnd: random.Random) -> None:
@@ -113,6 +133,8 @@ def test_fuzz_targets_accept_their_valid_inputs(
         "gptq", "awq", "fp8", "compressed-tensors", "dense",
     }  # fmt: skip
     assert Manifest.parse(manifest_target.valid).layers
+    seed = gguf_seed()
+    assert GGUF.run((seed.blob, 64)) and len(seed.fields) > 50
 
 
 def test_the_manifest_fuzzer_counts_an_accepted_traversal_name_as_a_failure(
