@@ -62,7 +62,8 @@ def redact_text(text: str) -> str:
 
 NO_LOCAL_CHECKPOINT = (
     "no checkpoint at this path on the conversion server (expected a directory holding config.json "
-    "and *.safetensors files); check the path, or upload the checkpoint and use s3://bucket/prefix"
+    "and *.safetensors files, or a .gguf file); check the path, or upload the checkpoint and use "
+    "s3://bucket/prefix"
 )
 ELIDED_PATH = "<server path>"
 # An absolute path in a message: a '/' that does not continue a word, URL or relative path.
@@ -80,8 +81,12 @@ def local_source_problem(source: str) -> str | None:
     is a symlink out of it: an error must not tell the submitter which (that would map the server's
     filesystem)."""
     try:
-        config = resolve_inside(Path(source).resolve(), "config.json")
-        found = config.is_file() and os.access(config, os.R_OK)
+        path = Path(source).resolve()
+        if source.endswith(".gguf"):
+            wanted = [resolve_inside(path.parent, path.name)]
+        else:
+            wanted = [resolve_inside(path, "config.json"), *sorted(path.glob("*.gguf"))[:1]]
+        found = any(f.is_file() and os.access(f, os.R_OK) for f in wanted)
     except (OSError, ValueError, RuntimeError, StorageError):
         found = False
     return None if found else f"source {source!r}: {NO_LOCAL_CHECKPOINT}"

@@ -107,7 +107,7 @@ class StagedArtifact:
             self.ckpt.config, artifact_id=aid, target=self.plan.target.value, source_format=self.plan.format
         )
         shared = [("config.json", config)] + [
-            (name, self.ckpt.source.read_bytes(name)) for name in self.ckpt.present_side_files()
+            (name, self.ckpt.side_file(name)) for name in self.ckpt.present_side_files()
         ]
         for name, data in shared:
             size, digest = writer.put_bytes(name, data)

@@ -189,6 +189,10 @@ class Checkpoint:
         listing = set(self.source.list())
         return [n for n in SIDE_FILES if n in listing]
 
+    def side_file(self, name: str) -> bytes:
+        """A side file's bytes (tokenizer, generation config), copied into the artifact."""
+        return self.source.read_bytes(name)
+
 
 def _read_json(source: SourceReader, name: str) -> dict[str, Any]:
     size = source.size(name)
@@ -221,16 +225,24 @@ def _index_files(source: SourceReader, weight_map: dict[str, Any]) -> list[str]:
     return out
 
 
-def open_checkpoint(source: SourceReader) -> Checkpoint:
+def open_checkpoint(source: SourceReader, file: str | None = None) -> Checkpoint:
+    """The checkpoint in `source`: a Hugging Face directory, or a GGUF file (`file`, or the one
+    .gguf file of a directory without config.json)."""
     listing = set(source.list())
-    if "config.json" not in listing:
-        ggufs = sorted(n for n in listing if n.endswith(".gguf"))
-        if ggufs:
-            raise UnsupportedError(
-                f"{source.uri} holds a GGUF file ({ggufs[0]}); GGUF input is not supported yet. "
-                "Convert it to a Hugging Face safetensors checkpoint first (transformers "
-                "from_pretrained(gguf_file=...) then save_pretrained)."
+    ggufs = sorted(n for n in listing if n.endswith(".gguf") and "/" not in n)
+    if file is not None or ("config.json" not in listing and ggufs):
+        from services.convert.gguf.checkpoint import open_gguf_checkpoint
+
+        if file is None and len(ggufs) > 1:
+            raise ConversionError(
+                f"{source.uri} holds {len(ggufs)} GGUF files ({', '.join(ggufs[:3])}); name the one to "
+                f"convert: {source.uri}/{ggufs[0]}"
             )
+        name = file or ggufs[0]
+        if name not in listing:
+            raise NotACheckpointError(f"{source.uri}/{name} does not exist")
+        return open_gguf_checkpoint(source, name)
+    if "config.json" not in listing:
         raise NotACheckpointError(f"{source.uri} has no config.json: not a Hugging Face checkpoint directory")
     config = _read_json(source, "config.json")
     side = {n: _read_json(source, n) for n in QUANT_SIDE_CONFIGS if n in listing}

@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "kiln.formats"
 # Every built-in format ("module:Class"), in detection order (vLLM's precedence). Adding a format is
 # its file in services/convert/formats/ plus one line here.
 FORMATS: tuple[str, ...] = (
+    "services.convert.formats.gguf:GgufFormat",
     "services.convert.formats.gptq:GptqFormat",
     "services.convert.formats.awq:AwqFormat",
     "services.convert.formats.fp8:Fp8Format",
@@ -37,7 +38,6 @@ FORMATS: tuple[str, ...] = (
 BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(import_object, FORMATS))  # type: ignore[arg-type]
 KNOWN_UNSUPPORTED = {
     "bitsandbytes": "bitsandbytes checkpoints are not supported (dequantize to bf16 and use --method fp8)",
-    "gguf": "GGUF input is not supported yet",
     "hqq": "HQQ checkpoints are not supported",
     "eetq": "EETQ checkpoints are not supported",
     "aqlm": "AQLM checkpoints are not supported",

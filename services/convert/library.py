@@ -97,7 +97,10 @@ def parse_targets(targets: Iterable[str | Target] | str) -> list[Target]:
 def open_and_detect(
     source: str, settings: ServiceSettings | None = None
 ) -> tuple[Checkpoint, CheckpointFormat]:
-    ckpt = open_checkpoint(open_source(source, settings or get_settings()))
+    folder, file = (
+        (source.rsplit("/", 1)[0], source.rsplit("/", 1)[1]) if source.endswith(".gguf") else (source, None)
+    )
+    ckpt = open_checkpoint(open_source(folder, settings or get_settings()), file)
     return ckpt, detect_format(ckpt)
 
 

@@ -20,6 +20,7 @@ from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat
 from services.convert.limits import check_pattern_work
+from services.convert.safetensors_io import DTYPES
 from services.convert.spec import FP8_SCHEMES, METHODS
 from services.convert.units import UNIT_KINDS, PlanUnit
 from services.convert.units.base import HEADER_ENTRY_BYTES, PlanContext, PlanRow
@@ -111,7 +112,7 @@ def other_tensor_bytes(ckpt: Checkpoint, names: list[str], act_dtype: str) -> in
     for name in names:
         info = ckpt.tensors[name]
         narrowed = act_dtype == "float16" and info.dtype in ("BF16", "F32")
-        total += math.prod(info.shape) * 2 if narrowed else info.nbytes
+        total += math.prod(info.shape) * (2 if narrowed else DTYPES[info.dtype].itemsize)
     return total
 
 
@@ -174,11 +175,7 @@ def _check_options(ckpt: Checkpoint, fmt: CheckpointFormat, tp: int, method: str
         )
     if tp < 1:
         raise UnsupportedError(f"tp must be >= 1, got {tp}")
-    if method == "fp8" and fmt.quantization is not None:
-        raise UnsupportedError(
-            f"--method fp8 quantizes an unquantized (bf16/fp16/fp32) checkpoint online, but {ckpt.uri} is "
-            f"already quantized ({fmt.describe()}); use --method auto to keep its quantization"
-        )
+    fmt.check_method(method)
 
 
 def _other_tensors(ckpt: Checkpoint, model: ModelConfig, consumed: set[str]) -> tuple[list[str], list[str]]:

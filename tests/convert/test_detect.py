@@ -118,9 +118,9 @@ def test_unsupported_inputs_say_what_is_supported(
     assert SUPPORTED_HINT in str(err.value)
 
 
-def test_gguf_input_is_refused(tmp_path: Path) -> None:
+def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
-    with pytest.raises(UnsupportedError, match="GGUF"):
+    with pytest.raises(ConversionError, match=r"model\.Q4_0\.gguf"):
         plan(str(tmp_path), "cpu")
 
 

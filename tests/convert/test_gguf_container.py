@@ -259,7 +259,7 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     ),
     "unknown ggml type": (
         gguf_bytes(tis=(ti("w", (32,), 4),)),
-        r"tensor 'w': ggml type 4 is none of the \d+ types",
+        r"tensor 'w': ggml type 4 is none of the \d+ GGML types",
     ),
     "ggml type 2^32-1": (gguf_bytes(tis=(ti("w", (32,), 2**32 - 1),)), r"tensor 'w': ggml type 4294967295"),
     "row not whole blocks": (

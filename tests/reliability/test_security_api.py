@@ -317,7 +317,7 @@ def test_local_source_errors_do_not_map_the_server_filesystem(
     (tmp_path / "empty").mkdir()
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "not-a-checkpoint").mkdir()
-    (tmp_path / "not-a-checkpoint" / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "not-a-checkpoint" / "notes.txt").write_text("not weights")
     sources = [
         str(tmp_path / "missing"),
         str(tmp_path / "a-file"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
-from kernels.errors import KilnError, LayoutError
+from kernels.errors import KilnError, LayoutError, UnsupportedError
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 
 if TYPE_CHECKING:
@@ -249,6 +249,21 @@ class CheckpointFormat(ABC):
 
     def decode_quantized(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
         raise ConversionError(f"{self.name} cannot decode quantized layer {module}")
+
+    def check_method(self, method: str) -> None:
+        """Refuse a conversion method this checkpoint cannot take (`--method fp8` quantizes an
+        unquantized checkpoint online; a quantized one keeps its quantization)."""
+        if method == "fp8" and self.quantization is not None:
+            raise UnsupportedError(
+                f"--method fp8 quantizes an unquantized (bf16/fp16/fp32) checkpoint online, but "
+                f"{self.ckpt.uri} is already quantized ({self.describe()}); use --method auto to keep "
+                "its quantization"
+            )
+
+    def source_label(self, module: str) -> str:
+        """How the plan names a layer's source encoding when its scheme alone does not say it
+        (a GGUF block type); empty for most formats."""
+        return ""
 
     def describe(self) -> str:
         return self.name

@@ -10,7 +10,7 @@ GGUF (llama.cpp's single-file format) is little-endian:
 A value is a scalar (u8 i8 u16 i16 u32 i32 f32 bool string u64 i64 f64: types 0-8 and 10-12) or an
 array (type 9: u32 element type, u64 length, the elements). `ne[0]` is the innermost axis, so a
 tensor's torch-order shape is reversed(ne); its prod(ne) / block_size * type_size bytes
-(gguf.GGML_QUANT_SIZES) lie at data_start + offset.
+(kernels/codecs/gguf.py GGML_TYPES) lie at data_start + offset.
 
 The header is read like a safetensors header (services/convert/safetensors_io.py): from a probe of
 the file's first bytes, then by ranged reads as parsing moves on (a tokenizer's vocabulary makes a
@@ -29,8 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+from kernels.codecs.gguf import GGML_TYPES, ggml_type_name
 from services.convert.errors import ConversionError
 from services.storage.base import SourceReader
 
@@ -71,7 +70,7 @@ MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # a one-byte name, one dimension
 REEXPORT = "re-download the file, or re-export it with llama.cpp's convert_hf_to_gguf.py"
 OVER_CAP = "a real model's GGUF stays far below it: re-download the file or re-export it"
 # ggml type id -> (values per block, bytes per block): the types Kiln knows are the gguf package's.
-QUANT_SIZES: dict[int, tuple[int, int]] = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
+QUANT_SIZES: dict[int, tuple[int, int]] = {t.id: (t.block_size, t.type_size) for t in GGML_TYPES.values()}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -85,7 +84,7 @@ class GgufFormatError(ConversionError):
 @dataclass(frozen=True)
 class GgufTensor:
     name: str
-    ggml_type: int  # a gguf.GGMLQuantizationType value
+    ggml_type: int  # an id of kernels.codecs.gguf.GGML_TYPES
     shape: tuple[int, ...]  # torch order: reversed(ne)
     start: int  # absolute byte offsets in the file
     end: int
@@ -96,7 +95,7 @@ class GgufTensor:
 
     @property
     def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
+        return ggml_type_name(self.ggml_type)
 
 
 @dataclass(frozen=True)
@@ -363,13 +362,13 @@ def _tensor_bytes(h: _Header, where: str, ne: tuple[int, ...], ggml_type: int) -
     if sizes is None:
         raise h.error(
             where,
-            f"ggml type {ggml_type} is none of the {len(QUANT_SIZES)} types the gguf package knows "
+            f"ggml type {ggml_type} is none of the {len(QUANT_SIZES)} GGML types Kiln knows "
             "(a removed or a newer quantization)",
             "re-export the model with a quantization type llama.cpp currently supports",
         )
     block, type_size = sizes
     if ne[0] % block:
-        name = GGMLQuantizationType(ggml_type).name
+        name = ggml_type_name(ggml_type)
         raise h.error(
             where, f"is {name} with rows of {ne[0]} values, not a multiple of its {block}-value block"
         )

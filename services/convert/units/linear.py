@@ -61,6 +61,7 @@ class LinearUnit:
     rejected: list[tuple[str, str]]
     fallback: bool
     source_tensors: list[str]
+    source_label: str = ""  # the source encoding when the scheme does not say it (a GGUF block type)
 
     @property
     def online_fp8(self) -> bool:
@@ -74,7 +75,9 @@ class LinearUnit:
         return PlanRow(
             layer=self.name,
             shards=[s.module for s in self.layout.shards],
-            scheme=self.target_quant.describe() + (" (online)" if self.online_fp8 else ""),
+            scheme=(f"{self.source_label} → " if self.source_label else "")
+            + self.target_quant.describe()
+            + (" (online)" if self.online_fp8 else ""),
             kernel=self.kernel.name,
             fallback=self.fallback,
             rejections=list(self.rejected),
@@ -179,9 +182,11 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
             raise UnsupportedError(
                 f"{layout.name}: kernel {choice.kernel.name} rejects a TP rank's shape: {reason}"
             )
+    labels = dict.fromkeys(ctx.fmt.source_label(s.module) for s in layout.shards)
     return LinearUnit(
-        layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources
-    )
+        layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
+        " + ".join(label for label in labels if label),
+    )  # fmt: skip
 
 
 def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:

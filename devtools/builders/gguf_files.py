@@ -1,0 +1,120 @@
+"""Synthetic GGUF files, written with llama.cpp's own `gguf` writer from a tiny transformers model.
+
+As llama.cpp's converter does for a LLaMA-family model: q/k projection rows are permuted for its
+rotary layout, then every tensor is stored in the GGML type asked for it (quantized by the `gguf`
+package's reference quantizers). The byte-level tokenizer of `tiny_artifacts` goes into the
+metadata. `write_llama_gguf` returns the model with the weights a reader must reproduce (each
+tensor's GGUF dequantization, q/k rows back in Hugging Face order): the reference to compare a
+converted artifact against.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf.quants import dequantize, quantize
+from transformers import PreTrainedModel
+
+from devtools.builders.tiny_artifacts import (
+    BOS_ID,
+    CHATML_TEMPLATE,
+    EOS_ID,
+    SPECIAL_TOKENS,
+    _bytes_to_unicode,
+)
+from kernels.codecs.gguf import permute_qk_rows
+
+Q = GGMLQuantizationType
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+MERGED = "!!"  # one merge: a BPE vocabulary with none is not a file llama.cpp writes
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # the model's vocab_size must match
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """model.layers.3.mlp.down_proj.weight -> blk.3.ffn_down.weight."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
+    _, _, rest = stem.partition("model.layers.")
+    layer, _, module = rest.partition(".")
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
+
+
+def _tokenizer_metadata(writer: GGUFWriter) -> None:
+    chars = _bytes_to_unicode()
+    tokens = [chars[b] for b in range(256)] + SPECIAL_TOKENS + [MERGED]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    types = [TokenType.NORMAL] * 256 + [TokenType.CONTROL] * len(SPECIAL_TOKENS) + [TokenType.NORMAL]
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(MERGED)])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _model_metadata(writer: GGUFWriter, model: PreTrainedModel) -> None:
+    cfg = model.config
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q4_0)
+
+
+def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) -> PreTrainedModel:
+    """Write `model` (a LlamaForCausalLM with default rope and `VOCAB_SIZE` tokens) to GGUF `path`;
+    `types` maps a substring of a Hugging Face tensor name to its GGML type (first match; default F32
+    for 1-D tensors, F16 for the rest). Returns a copy of the model holding the weights the file
+    decodes to."""
+    cfg = model.config
+    heads = {
+        "self_attn.q_proj.weight": cfg.num_attention_heads,
+        "self_attn.k_proj.weight": cfg.num_key_value_heads,
+    }
+    reference = copy.deepcopy(model)
+    ref_params = dict(reference.named_parameters())
+    writer = GGUFWriter(str(path), "llama")
+    _model_metadata(writer, model)
+    _tokenizer_metadata(writer)
+    for name, param in model.named_parameters():
+        w = param.detach().float()
+        n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
+        stored = permute_qk_rows(w, n_head) if n_head else w
+        kind = next((t for key, t in types.items() if key in name), Q.F32 if w.dim() == 1 else Q.F16)
+        data = stored.numpy().astype(np.float16 if kind == Q.F16 else np.float32)
+        if kind not in (Q.F32, Q.F16):
+            data = quantize(stored.numpy(), kind)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+        decoded = torch.from_numpy(np.array(dequantize(data, kind), dtype=np.float32)).reshape(w.shape)
+        if n_head:
+            decoded = torch.from_numpy(_unpermute(decoded.numpy(), n_head))
+        with torch.no_grad():
+            ref_params[name].copy_(decoded)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of llama.cpp's q/k row permutation, written independently of Kiln's codec."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,87 @@
+"""GGUF files (llama.cpp): each linear layer's GGML block type maps onto Kiln's canonical weights.
+
+Held exactly by the integer kernels: Q4_0 (symmetric int4, group 32, fp16 scale) and Q8_0 (int8,
+group 32, fp16 scale); F32 / F16 / BF16 tensors are dense. Other block types (Q4_1, Q5_x and the
+K-quants, whose float minimum has no integer zero point here yet) are refused with the list of
+what is supported — or, when the user asks for `--method fp8`, every layer is dequantized exactly
+(fp32, `kernels.codecs.gguf.dequantize_gguf`) and re-quantized to FP8 online, and the plan says so.
+Plan rows show each layer's GGML type.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from kernels.base import SourceWeight
+from kernels.codecs.gguf import decode_gguf_int, dequantize_gguf
+from kernels.errors import UnsupportedError
+from runtime.model_layout import LinearLayout
+from services.convert.checkpoint import Checkpoint
+from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
+from services.convert.gguf.checkpoint import FLOAT_TYPES, GgufCheckpoint
+
+# GGML type id -> the canonical integer weight it decodes to, exactly.
+NATIVE: dict[str, LayerQuant] = {
+    "Q4_0": LayerQuant("int", bits=4, group_size=32, symmetric=True),
+    "Q8_0": LayerQuant("int", bits=8, group_size=32, symmetric=True),
+}
+FLOAT_NAMES = ("F32", "F16", "BF16")
+
+
+class GgufFormat(CheckpointFormat):
+    name = "gguf"
+
+    def __init__(self, ckpt: Checkpoint, quantization: dict[str, Any] | None) -> None:
+        super().__init__(ckpt, quantization)
+        assert isinstance(ckpt, GgufCheckpoint)
+        self.gguf = ckpt
+        self.requantize = False  # --method fp8: every layer dequantized, re-quantized online
+
+    @classmethod
+    def detect(cls, ckpt: Checkpoint, quantization: dict[str, Any] | None, where: str) -> GgufFormat | None:
+        if not isinstance(ckpt, GgufCheckpoint):
+            return None
+        types = Counter(ckpt.type_name(name) for name in ckpt.ggml_types)
+        return cls(ckpt, {"quant_method": "gguf", "tensor_types": dict(sorted(types.items()))})
+
+    def check_method(self, method: str) -> None:
+        self.requantize = method == "fp8"
+        note = "GGUF: every layer is dequantized exactly (fp32) and re-quantized to FP8 online (--method fp8)"
+        if self.requantize and note not in self.notes:
+            self.notes.append(note)
+
+    def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
+        kind = self.gguf.type_name(f"{module}.weight")
+        if kind in FLOAT_NAMES or self.requantize:
+            return DENSE
+        if kind in NATIVE:
+            return NATIVE[kind]
+        supported = ", ".join([*NATIVE, *FLOAT_NAMES])
+        raise UnsupportedError(
+            f"layer {module} is GGUF {kind}; Kiln converts GGUF {supported} layers as they are — "
+            "convert with --method fp8 to dequantize every layer and re-quantize it to FP8 online"
+        )
+
+    def source_label(self, module: str) -> str:
+        return f"GGUF {self.gguf.type_name(f'{module}.weight')}"
+
+    def decode(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
+        name = f"{module}.weight"
+        kind = self.gguf.ggml_types[name]
+        if lq.scheme == "dense" and kind not in FLOAT_TYPES:  # --method fp8: the exact fp32 values
+            tensors = {
+                **tensors,
+                name: dequantize_gguf(tensors[name], kind, self.gguf.shapes[name][-1], name),
+            }
+        return super().decode(module, lq, tensors)
+
+    def decode_quantized(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
+        name = f"{module}.weight"
+        return decode_gguf_int(tensors[name], self.gguf.ggml_types[name], self.gguf.shapes[name][-1], name)
+
+    def describe(self) -> str:
+        types = (self.quantization or {}).get("tensor_types", {})
+        return "gguf (" + ", ".join(f"{n} {t}" for t, n in types.items()) + ")"

