@@ -58,6 +58,8 @@ class LinearSpec:
     # W8A8 kernels take such layers, weight-only kernels run them as W8A16.
     int8_activations: bool = False
     shards: tuple[ShardSpec, ...] = ()
+    # The zero is a float minimum per group, w = q * s + m (GGUF Q4_1 / Q4_K), not an integer code.
+    float_zeros: bool = False
 
     def __post_init__(self) -> None:
         if self.k_full == 0:
@@ -84,8 +86,9 @@ class LinearSpec:
         d = dataclasses.asdict(self)
         d["block_size"] = list(self.block_size) if self.block_size else None
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
-        if not self.int8_activations:
-            del d["int8_activations"]  # absent = False: manifests written before the field stay valid
+        for flag in ("int8_activations", "float_zeros"):
+            if not d[flag]:
+                del d[flag]  # absent = False: manifests written before the field stay valid
         return d
 
     @classmethod
@@ -103,12 +106,14 @@ class LinearSpec:
 
 @dataclass
 class IntWeight:
-    """Integer weight-only quantization, unpacked. w = (codes - zeros[g]) * scales[g].
+    """Integer weight-only quantization, unpacked. w = (codes - zeros[g]) * scales[g], or with a
+    float minimum per group w = codes * scales[g] + mins[g].
 
     codes  (N, K) uint8, unsigned codes in [0, 2**bits)
     scales (G, N) float (checkpoint dtype), G = K // group_size (1 for channelwise)
     zeros  (G, N) uint8 unsigned zero points, or None when symmetric (zero = 2**(bits-1))
     g_idx  (K,) int32 group of each input channel, or None when g_idx[k] == k // group_size
+    mins   (G, N) float minimums (GGUF Q4_1 `m`, Q4_K `-dmin * m`), or None; never with zeros
     """
 
     codes: torch.Tensor
@@ -118,10 +123,11 @@ class IntWeight:
     zeros: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
     @property
     def symmetric(self) -> bool:
-        return self.zeros is None
+        return self.zeros is None and self.mins is None
 
     def group_index(self) -> torch.Tensor:
         """(K,) int64 group id of every input channel."""
@@ -136,6 +142,8 @@ class IntWeight:
         """(N, K) float32."""
         gi = self.group_index()
         s = self.scales.float()[gi].T  # (N, K)
+        if self.mins is not None:
+            return self.codes.float() * s + self.mins.float()[gi].T
         z = (
             torch.full_like(s, float(1 << (self.bits - 1)))
             if self.zeros is None
@@ -264,6 +272,7 @@ class LinearKernel(ABC):
     schemes: ClassVar[frozenset[str]]
     targets: ClassVar[frozenset[Target]]
     elsewhere: ClassVar[str] = ""  # where the layers it refuses run instead, for refusal messages
+    takes_float_zeros: ClassVar[bool] = False  # integer layers with a float minimum (IntWeight.mins)
     # Activation dtype its fast CPU path takes (torch's int4 / int8 ops are vectorized for bf16 only);
     # the loader runs a CPU model in bf16 when every layer's kernel prefers it.
     cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
@@ -290,6 +299,11 @@ class LinearKernel(ABC):
         if spec.scheme not in self.schemes:
             kinds = " / ".join(SCHEME_WORDS.get(s, s) for s in sorted(self.schemes))
             return False, f"{self.name} takes {kinds} weights only, not scheme {spec.scheme!r}"
+        if spec.float_zeros and not self.takes_float_zeros:
+            return False, (
+                f"{self.name} takes integer zero points only; this layer's zero is a float minimum per "
+                "group (w = q·s + m, GGUF Q4_1 / Q4_K)"
+            )
         return self.supports(spec, target)
 
     def prepare_input(

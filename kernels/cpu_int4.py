@@ -27,7 +27,8 @@ Stored tensors:
     pack_format      (2,) int32                 [block_n, split] of that pack (see above)
     scales_and_zeros (K // group, N, 2) bf16    [..., 0] scale, [..., 1] zero (always 0 here);
                                                 group = the op group size (32/64/128/256)
-    zero_offsets     (G, N) float32             (2**(bits-1) - z) * s per checkpoint group; asymmetric only
+    zero_offsets     (G, N) float32             (2**(bits-1) - z) * s per checkpoint group, or 8 * s + m
+                                                for a float minimum m (GGUF Q4_1 / Q4_K); asymmetric only
     perm             (K,) int32                 act-order only: stable argsort of g_idx (x[..., perm] first)
     bias             (N,) float32               optional
 """
@@ -164,6 +165,7 @@ class CpuInt4Kernel(CpuKernel):
     layout_version = 1
     schemes = frozenset({"int"})
     description = "4-bit weight-only, torch's CPU int4 pack + _weight_int4pack_mm_for_cpu (bf16 activations)"
+    takes_float_zeros = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits != 4:
@@ -231,6 +233,8 @@ class CpuInt4Kernel(CpuKernel):
         }
         if w.zeros is not None:
             tensors["zero_offsets"] = (MIDPOINT - w.zeros.float()) * scales  # (G, N), exact in fp32
+        elif w.mins is not None:  # q * s + m = (q - 8) * s + (8 * s + m)
+            tensors["zero_offsets"] = MIDPOINT * scales + w.mins.float()  # (G, N)
         if perm is not None:
             tensors["perm"] = perm.to(torch.int32)
         if w.bias is not None:

@@ -53,6 +53,7 @@ class DenseKernel(LinearKernel):
     targets = frozenset(Target)
     stores_plain_weight = True
     description = "torch linear on the (dequantized) weight: act dtype on GPU, fp32 on cpu"
+    takes_float_zeros = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.scheme == "dense" or target is Target.CPU:

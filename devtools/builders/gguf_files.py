@@ -2,10 +2,10 @@
 
 As llama.cpp's converter does for a LLaMA-family model: q/k projection rows are permuted for its
 rotary layout, then every tensor is stored in the GGML type asked for it (quantized by the `gguf`
-package's reference quantizers). The byte-level tokenizer of `tiny_artifacts` goes into the
-metadata. `write_llama_gguf` returns the model with the weights a reader must reproduce (each
-tensor's GGUF dequantization, q/k rows back in Hugging Face order): the reference to compare a
-converted artifact against.
+package's reference quantizers; K-quants, which it cannot make, as random blocks). The byte-level
+tokenizer of `tiny_artifacts` goes into the metadata. `write_llama_gguf` returns the model with the
+weights a reader must reproduce (each tensor's GGUF dequantization, q/k rows back in Hugging Face
+order): the reference to compare a converted artifact against.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import dequantize, quantize
 from transformers import PreTrainedModel
 
@@ -29,6 +29,7 @@ from devtools.builders.tiny_artifacts import (
 from kernels.codecs.gguf import permute_qk_rows
 
 Q = GGMLQuantizationType
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # written as random blocks (`random_k_blocks`)
 LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -100,7 +101,9 @@ def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) ->
         stored = permute_qk_rows(w, n_head) if n_head else w
         kind = next((t for key, t in types.items() if key in name), Q.F32 if w.dim() == 1 else Q.F16)
         data = stored.numpy().astype(np.float16 if kind == Q.F16 else np.float32)
-        if kind not in (Q.F32, Q.F16):
+        if kind in K_QUANTS:
+            data = random_k_blocks(tuple(w.shape), kind, seed=len(name))
+        elif kind not in (Q.F32, Q.F16):
             data = quantize(stored.numpy(), kind)
         writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         decoded = torch.from_numpy(np.array(dequantize(data, kind), dtype=np.float32)).reshape(w.shape)
@@ -113,6 +116,18 @@ def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) ->
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def random_k_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
+    """Random K-quant blocks (the `gguf` package has no K-quant quantizer): random codes and 6-bit
+    sub-block scales/mins under fp16 super-block scales of a small weight's size; (rows, bytes)."""
+    block, size = GGML_QUANT_SIZES[kind]
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    scale = rng.uniform(1e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16)  # d, dmin
+    raw[:, 0:4] = scale.view(np.uint8)
+    return raw.reshape(rows, k // block * size)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

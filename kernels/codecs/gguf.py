@@ -84,7 +84,11 @@ GGML_TYPES: dict[int, GgmlType] = _table(
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 DECODED_TYPES: tuple[int, ...] = tuple(t.id for t in GGML_TYPES.values() if t.decoded)
-INT_TYPES: tuple[int, ...] = (Q4_0, Q8_0)  # held exactly by Kiln's integer kernels (decode_gguf_int)
+# Held exactly as an IntWeight (decode_gguf_int): symmetric Q4_0 / Q8_0, and Q4_1 / Q4_K with a
+# float minimum per 32 (Q4_K's d * sc and dmin * m are exact in fp32: 11 x 6 significant bits).
+INT_TYPES: tuple[int, ...] = (Q4_0, Q4_1, Q8_0, Q4_K)
+FLOAT_MIN_TYPES: tuple[int, ...] = (Q4_1, Q4_K)
+ENCODED_TYPES: tuple[int, ...] = (Q4_0, Q8_0)  # encode_gguf_int
 INT_GROUP_SIZE = 32
 
 
@@ -147,10 +151,12 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> tor
 
 
 def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> IntWeight:
-    """Q4_0 / Q8_0 uint8 (N, K / 32 * type_size) -> symmetric `IntWeight`, group 32, fp16 scales = d.
+    """Q4_0 / Q4_1 / Q8_0 / Q4_K uint8 (N, K / block * type_size) -> `IntWeight`, group 32.
 
-    Q4_0: bits 4, codes = the nibbles (zero 8). Q8_0: bits 8, codes = qs + 128 (zero 128).
-    `IntWeight.dequantize()` equals `dequantize_gguf` exactly.
+    Q4_0: bits 4, codes = the nibbles, symmetric (zero 8), fp16 scales d. Q8_0: bits 8, codes = qs +
+    128 (zero 128), fp16 scales d. Q4_1: codes = the nibbles, fp16 scales d, fp16 mins m. Q4_K: per
+    sub-block of 32, fp32 scales d * sc and fp32 mins -(dmin * m). `IntWeight.dequantize()` equals
+    `dequantize_gguf` exactly.
     """
     if int(ggml_type) not in INT_TYPES:
         raise UnsupportedGgufType(name, ggml_type, INT_TYPES, "hold as integer codes")
@@ -158,32 +164,65 @@ def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> Int
         raise LayoutError(f"GGUF tensor {name!r}: an integer weight must be 2-D, got {tuple(raw.shape)}")
     t = GGML_TYPES[int(ggml_type)]
     rows2d = _rows(raw, ggml_type, k, name)
-    n = rows2d.shape[0]
-    blocks = rows2d.reshape(n, k // INT_GROUP_SIZE, t.type_size)  # (N, G, type_size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # (N, G)
-    if t.id == Q4_0:
-        codes = _split_nibbles(blocks[..., 2:18])  # (N, G, 32)
-        bits = 4
-    else:
-        codes = blocks[..., 2:34] ^ 0x80  # int8 q + 128 as uint8
-        bits = 8
+    n, g = rows2d.shape[0], k // INT_GROUP_SIZE
+    blocks = rows2d.reshape(n * (k // t.block_size), t.type_size)  # (M, type_size), M blocks
+    codes, scales, mins = _INT_DECODERS[t.id](blocks)  # (M, block), (M, block / 32) x2
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(n, g).T.contiguous()  # (G, N)
+
     return IntWeight(
         codes=codes.reshape(n, k),
-        scales=d.T.contiguous(),  # (G, N) fp16
-        bits=bits,
+        scales=per_group(scales),
+        bits=8 if t.id == Q8_0 else 4,
         group_size=INT_GROUP_SIZE,
+        mins=None if mins is None else per_group(mins),
     )
+
+
+def _raw_f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """(M, type_size) uint8 -> (M, 1) fp16 of the field at `offset`, as stored."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16)
+
+
+IntBlocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # codes, scales, mins
+
+
+def _q4_0_int(b: torch.Tensor) -> IntBlocks:
+    return _split_nibbles(b[:, 2:18]), _raw_f16(b, 0), None
+
+
+def _q4_1_int(b: torch.Tensor) -> IntBlocks:
+    return _split_nibbles(b[:, 4:20]), _raw_f16(b, 0), _raw_f16(b, 2)
+
+
+def _q8_0_int(b: torch.Tensor) -> IntBlocks:
+    return b[:, 2:34] ^ 0x80, _raw_f16(b, 0), None  # int8 q + 128 as uint8
+
+
+def _q4_k_int(b: torch.Tensor) -> IntBlocks:
+    sc, mn = _k_scale_min(b[:, 4:16])  # (M, 8) each
+    codes = _k_low_nibbles(b[:, 16:144]).reshape(-1, 256)
+    return codes, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+_INT_DECODERS: dict[int, Callable[[torch.Tensor], IntBlocks]] = {
+    Q4_0: _q4_0_int,
+    Q4_1: _q4_1_int,
+    Q8_0: _q8_0_int,
+    Q4_K: _q4_k_int,
+}
 
 
 def encode_gguf_int(w: IntWeight, ggml_type: int) -> torch.Tensor:
     """Symmetric group-32 `IntWeight` with fp16-exact scales -> Q4_0 / Q8_0 uint8 (N, K / 32 * type_size)."""
     name = f"<{ggml_type_name(ggml_type)} encode>"
-    if int(ggml_type) not in INT_TYPES:
-        raise UnsupportedGgufType(name, ggml_type, INT_TYPES, "encode from integer codes")
+    if int(ggml_type) not in ENCODED_TYPES:
+        raise UnsupportedGgufType(name, ggml_type, ENCODED_TYPES, "encode from integer codes")
     t = GGML_TYPES[int(ggml_type)]
     bits = 4 if t.id == Q4_0 else 8
     n, k = w.codes.shape
-    if w.bits != bits or w.group_size != INT_GROUP_SIZE or w.zeros is not None or w.g_idx is not None:
+    if w.bits != bits or w.group_size != INT_GROUP_SIZE or not w.symmetric or w.g_idx is not None:
         raise LayoutError(
             f"{t.name} holds symmetric {bits}-bit codes in groups of {INT_GROUP_SIZE} without g_idx; got "
             f"{w.bits}-bit, group_size {w.group_size}, zeros {'set' if w.zeros is not None else 'None'}, "

@@ -60,6 +60,7 @@ class LinearSpecValues(_Strict):
     act_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     int8_activations: bool = False
     shards: list[ShardValues] = Field(default_factory=list)
+    float_zeros: bool = False
 
 
 class MoESpecValues(_Strict):

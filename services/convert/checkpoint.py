@@ -225,23 +225,22 @@ def _index_files(source: SourceReader, weight_map: dict[str, Any]) -> list[str]:
     return out
 
 
-def open_checkpoint(source: SourceReader, file: str | None = None) -> Checkpoint:
-    """The checkpoint in `source`: a Hugging Face directory, or a GGUF file (`file`, or the one
-    .gguf file of a directory without config.json)."""
-    listing = set(source.list())
+def gguf_in(source: SourceReader, listing: set[str]) -> str | None:
+    """The GGUF file a source without config.json holds (None: it holds none)."""
     ggufs = sorted(n for n in listing if n.endswith(".gguf") and "/" not in n)
-    if file is not None or ("config.json" not in listing and ggufs):
-        from services.convert.gguf.checkpoint import open_gguf_checkpoint
+    if "config.json" in listing or not ggufs:
+        return None
+    if len(ggufs) > 1:
+        raise ConversionError(
+            f"{source.uri} holds {len(ggufs)} GGUF files ({', '.join(ggufs[:3])}); name the one to "
+            f"convert: {source.uri}/{ggufs[0]}"
+        )
+    return ggufs[0]
 
-        if file is None and len(ggufs) > 1:
-            raise ConversionError(
-                f"{source.uri} holds {len(ggufs)} GGUF files ({', '.join(ggufs[:3])}); name the one to "
-                f"convert: {source.uri}/{ggufs[0]}"
-            )
-        name = file or ggufs[0]
-        if name not in listing:
-            raise NotACheckpointError(f"{source.uri}/{name} does not exist")
-        return open_gguf_checkpoint(source, name)
+
+def open_checkpoint(source: SourceReader) -> Checkpoint:
+    """The Hugging Face checkpoint directory `source` (config.json, safetensors weights)."""
+    listing = set(source.list())
     if "config.json" not in listing:
         raise NotACheckpointError(f"{source.uri} has no config.json: not a Hugging Face checkpoint directory")
     config = _read_json(source, "config.json")

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.base import Target
-from services.convert.checkpoint import Checkpoint, open_checkpoint
+from services.convert.checkpoint import Checkpoint, gguf_in, open_checkpoint
 from services.convert.detect import detect_format
-from services.convert.errors import Cancelled, ConversionError, VerificationError
+from services.convert.errors import Cancelled, ConversionError, NotACheckpointError, VerificationError
 from services.convert.formats.base import CheckpointFormat
+from services.convert.gguf.checkpoint import open_gguf_checkpoint
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
 from services.convert.spec import ConversionSpec, Fp8Scheme, Method, conversion_spec
@@ -97,10 +98,12 @@ def parse_targets(targets: Iterable[str | Target] | str) -> list[Target]:
 def open_and_detect(
     source: str, settings: ServiceSettings | None = None
 ) -> tuple[Checkpoint, CheckpointFormat]:
-    folder, file = (
-        (source.rsplit("/", 1)[0], source.rsplit("/", 1)[1]) if source.endswith(".gguf") else (source, None)
-    )
-    ckpt = open_checkpoint(open_source(folder, settings or get_settings()), file)
+    folder, file = source.rsplit("/", 1) if source.endswith(".gguf") else (source, None)
+    reader = open_source(folder, settings or get_settings())
+    file = file or gguf_in(reader, set(reader.list()))
+    if file is not None and not reader.exists(file):
+        raise NotACheckpointError(f"{source}: no such GGUF file")
+    ckpt = open_gguf_checkpoint(reader, file) if file is not None else open_checkpoint(reader)
     return ckpt, detect_format(ckpt)
 
 

@@ -31,6 +31,7 @@ def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
             zeros=None if w.zeros is None else w.zeros[:, s:e],
             g_idx=w.g_idx,
             bias=bias,
+            mins=None if w.mins is None else w.mins[:, s:e],
         )
     if isinstance(w, Fp8Weight):
         n = w.weight.shape[0]
@@ -64,7 +65,7 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
         raise UnsupportedError(f"{name}: a bias on a row-parallel layer is not supported with tp > 1")
     if isinstance(w, IntWeight):
         if w.g_idx is not None or w.group_size in (-1, 0):
-            scales, zeros = w.scales, w.zeros  # replicated on every rank
+            scales, zeros, mins = w.scales, w.zeros, w.mins  # replicated on every rank
             g_idx = None if w.g_idx is None else w.g_idx[s:e]
         else:
             gs = w.group_size
@@ -74,8 +75,9 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
                 )
             scales = w.scales[s // gs : e // gs]
             zeros = None if w.zeros is None else w.zeros[s // gs : e // gs]
+            mins = None if w.mins is None else w.mins[s // gs : e // gs]
             g_idx = None
-        return IntWeight(w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias)
+        return IntWeight(w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias, mins)
     if isinstance(w, Fp8Weight):
         scale = w.scale
         if w.strategy == "block":
@@ -108,7 +110,7 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
                     f"shards {names[0]} and {name} have different act-order g_idx; a fused layer needs one "
                     "input-channel order (re-quantize them with the same activation order)"
                 )
-            if (p.zeros is None) != (ints[0].zeros is None):
+            if (p.zeros is None) != (ints[0].zeros is None) or (p.mins is None) != (ints[0].mins is None):
                 raise ConversionError(f"shards {names[0]} and {name} disagree on zero points")
         return IntWeight(
             codes=torch.cat([p.codes for p in ints]),
@@ -118,6 +120,7 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
             zeros=None if ints[0].zeros is None else torch.cat([p.zeros for p in ints], dim=1),  # type: ignore[misc]
             g_idx=ints[0].g_idx,
             bias=bias,
+            mins=None if ints[0].mins is None else torch.cat([p.mins for p in ints], dim=1),  # type: ignore[misc]
         )
     if all(isinstance(p, Fp8Weight) for p in parts):
         fps: list[Fp8Weight] = parts  # type: ignore[assignment]

@@ -17,6 +17,7 @@ Bounds (named, documented):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -41,14 +42,7 @@ def references(source: SourceWeight, act_dtype: torch.dtype) -> Iterator[torch.T
     stored in the checkpoint, then cast to the activation dtype (what vLLM's loader does)."""
     yield source.dequantize()
     if isinstance(source, IntWeight) and source.scales.dtype != act_dtype:
-        yield IntWeight(
-            source.codes,
-            source.scales.to(act_dtype),
-            source.bits,
-            source.group_size,
-            source.zeros,
-            source.g_idx,
-        ).dequantize()
+        yield dataclasses.replace(source, scales=source.scales.to(act_dtype), bias=None).dequantize()
 
 
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +125,10 @@ def compare_int_stored(
     if (stored.zeros is None) != (source.zeros is None):
         return None
     if stored.zeros is not None and not torch.equal(stored.zeros, source.zeros.to(stored.zeros.dtype)):  # type: ignore[union-attr]
+        return None
+    if (stored.mins is None) != (source.mins is None):
+        return None
+    if stored.mins is not None and not torch.equal(stored.mins, source.mins.to(stored.mins.dtype)):  # type: ignore[union-attr]
         return None
     if not torch.equal(stored.group_index(), source.group_index()):
         return None

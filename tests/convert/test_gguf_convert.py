@@ -58,12 +58,35 @@ def test_q4_0_and_q8_0_layers_convert_exactly_and_serve(tmp_path: Path) -> None:
     assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
 
 
+def test_float_minimum_types_run_on_cpu_int4_and_find_no_gpu_kernel(tmp_path: Path) -> None:
+    """Q4_1 / Q4_K: x = s * q + m; cpu_int4 keeps m exact in its fp32 zero offsets (the scale rounds to
+    bf16, as for every checkpoint); the GPU kernels take integer zero points only."""
+    types = {"self_attn": Q.Q4_1, "mlp.down_proj": Q.Q4_K, "mlp": Q.Q4_1, "lm_head": Q.Q4_1}
+    path, reference = _tiny(tmp_path, types)
+    rows = {r.layer: r for r in plan(str(path), "cpu").rows}
+    assert rows["model.layers.0.self_attn.qkv_proj"].scheme == "GGUF Q4_1 → int4 g32 float-min"
+    assert rows["model.layers.0.mlp.down_proj"].scheme == "GGUF Q4_K → int4 g32 float-min"
+    assert {r.kernel for r in rows.values() if r.layer != "lm_head"} == {"cpu_int4"}
+    assert rows["lm_head"].kernel == "dense"  # N = 260 rows: cpu_int4 packs multiples of 16
+    with pytest.raises(UnsupportedError, match=r"marlin_wna16: marlin_wna16 takes integer zero points only"):
+        plan(str(path), "sm80")
+    [r] = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "out")))
+    assert r.manifest.verification.ok and r.manifest.verification.layers_checked == 9
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        got = runtime_logits_fn(load_model(r.uri))(ids)[0].float().log_softmax(-1)
+        want = reference(ids).logits[0].float().log_softmax(-1)
+    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+
+
 def test_other_block_types_are_refused_unless_requantized(tmp_path: Path) -> None:
-    path, _ = _tiny(tmp_path, {"self_attn": Q.Q4_1, "mlp": Q.Q4_0})
-    with pytest.raises(UnsupportedError, match=r"q_proj is GGUF Q4_1; .*Q4_0, Q8_0.*--method fp8"):
+    path, _ = _tiny(tmp_path, {"self_attn": Q.Q5_0, "mlp": Q.Q4_0})
+    with pytest.raises(
+        UnsupportedError, match=r"q_proj is GGUF Q5_0; .*Q4_0, Q8_0, Q4_1, Q4_K.*--method fp8"
+    ):
         plan(str(path), "cpu")
     p = plan(str(path), "cpu", method="fp8")
-    assert p.rows[0].scheme == "GGUF Q4_1 → fp8 tensor (online)"
+    assert p.rows[0].scheme == "GGUF Q5_0 → fp8 tensor (online)"
     assert any("re-quantized to FP8 online" in n for n in p.notes)
     [r] = convert(ConversionRequest(str(path), ["cpu"], method="fp8", out=str(tmp_path / "out")))
     assert r.manifest.verification.ok
@@ -78,12 +101,14 @@ def test_a_gguf_is_found_by_file_or_directory(tmp_path: Path) -> None:
     assert plan(str(tmp_path / "second.gguf"), "cpu").format == "gguf"
 
 
-def test_smollm2_q4_1_gguf_requantized_answers_the_question(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["auto", "fp8"])
+def test_smollm2_q4_1_gguf_answers_the_question(tmp_path: Path, method: str) -> None:
+    """As it is (Q4_1 on cpu_int4, its Q8_0 tied embedding dequantized to bf16) and re-quantized."""
     try:
         gguf = smollm2.gguf_file()
     except smollm2.CheckpointUnavailable as e:
         pytest.skip(str(e))
-    [r] = convert(ConversionRequest(str(gguf), ["cpu"], method="fp8", out=str(tmp_path)))
+    [r] = convert(ConversionRequest(str(gguf), ["cpu"], method=method, out=str(tmp_path)))  # type: ignore[arg-type]
     assert r.manifest.verification.ok
     assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in r.manifest.files}
     loaded = load_model(r.uri)

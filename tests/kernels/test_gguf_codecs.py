@@ -207,6 +207,23 @@ def test_int_decode_is_exact_and_round_trips(qtype: T, n_blocks: int) -> None:
     assert torch.equal(encode_gguf_int(w, int(qtype)), raw_t)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("n_blocks", [1, 3])
+def test_float_minimum_types_decode_exactly(qtype: T, n_blocks: int) -> None:
+    """Q4_1 (fp16 d, m per 32) and Q4_K (fp32 d*sc, -(dmin*m) per 32): codes * scale + min in fp32
+    is gguf's own dequantization, bit for bit."""
+    raw = torch.from_numpy(_raw(np.random.default_rng([int(qtype), n_blocks, 11]), qtype, 4, n_blocks))
+    block = GGML_TYPES[int(qtype)].block_size
+    k = block * n_blocks
+    w = decode_gguf_int(raw, int(qtype), k, "blk.0.attn_q.weight")
+    assert w.bits == 4 and w.group_size == 32 and w.zeros is None and w.mins is not None
+    assert not w.symmetric and w.codes.shape == (4, k) and int(w.codes.max()) < 16
+    assert w.scales.shape == w.mins.shape == (k // 32, 4)
+    assert w.scales.dtype == (torch.float16 if qtype == T.Q4_1 else torch.float32)
+    assert torch.equal(w.dequantize(), dequantize_gguf(raw, int(qtype), k, "w"))
+    assert torch.equal(w.dequantize(), _reference(raw.numpy(), qtype).reshape(4, k))
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=lambda q: q.name)
 def test_int_encode_then_decode(qtype: T) -> None:
     gen = torch.Generator().manual_seed(int(qtype))
@@ -290,6 +307,6 @@ def test_malformed_inputs() -> None:
     assert "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16" in msg
     with pytest.raises(UnsupportedGgufType, match=r"'token_embd.weight' has type Q2_K \(id 10\)"):
         dequantize_gguf(raw, 10, 256, "token_embd.weight")
-    with pytest.raises(UnsupportedError, match="supported types: Q4_0, Q8_0"):
-        decode_gguf_int(raw, 12, 256, "blk.0.ffn_up.weight")
-    assert set(INT_TYPES) == {2, 8}
+    with pytest.raises(UnsupportedError, match="supported types: Q4_0, Q4_1, Q8_0, Q4_K"):
+        decode_gguf_int(raw, 13, 256, "blk.0.ffn_up.weight")
+    assert set(INT_TYPES) == {2, 3, 8, 12}

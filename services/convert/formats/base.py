@@ -45,6 +45,7 @@ class LayerQuant:
     fp8_strategy: Literal["tensor", "channel", "block"] | None = None
     block_size: tuple[int, int] | None = None
     int8_activations: bool = False  # the checkpoint declares dynamic per-token symmetric int8 inputs
+    float_zeros: bool = False  # a float minimum per group (w = q * s + m), not an integer zero point
 
     def describe(self) -> str:
         if self.scheme == "dense":
@@ -53,7 +54,11 @@ class LayerQuant:
             extra = f" {self.block_size[0]}x{self.block_size[1]}" if self.block_size else ""
             return f"fp8 {self.fp8_strategy}{extra}"
         g = "channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
-        parts = [f"int{self.bits}", g, "sym" if self.symmetric else "asym"]
+        parts = [
+            f"int{self.bits}",
+            g,
+            "float-min" if self.float_zeros else "sym" if self.symmetric else "asym",
+        ]
         if self.act_order:
             parts.append("act-order")
         if self.int8_activations:
@@ -86,6 +91,8 @@ def _check_shapes(module: str, w: SourceWeight) -> None:
             raise _bad(module, f"scales are {tuple(w.scales.shape)}, expected (G={groups}, N={n})")
         if w.zeros is not None and tuple(w.zeros.shape) != (groups, n):
             raise _bad(module, f"zero points are {tuple(w.zeros.shape)}, expected (G={groups}, N={n})")
+        if w.mins is not None and tuple(w.mins.shape) != (groups, n):
+            raise _bad(module, f"minimums are {tuple(w.mins.shape)}, expected (G={groups}, N={n})")
         if w.g_idx is not None:
             if tuple(w.g_idx.shape) != (k,):
                 raise _bad(module, f"g_idx is {tuple(w.g_idx.shape)}, expected (K={k},)")

@@ -1,11 +1,15 @@
 """GGUF files (llama.cpp): each linear layer's GGML block type maps onto Kiln's canonical weights.
 
-Held exactly by the integer kernels: Q4_0 (symmetric int4, group 32, fp16 scale) and Q8_0 (int8,
-group 32, fp16 scale); F32 / F16 / BF16 tensors are dense. Other block types (Q4_1, Q5_x and the
-K-quants, whose float minimum has no integer zero point here yet) are refused with the list of
-what is supported — or, when the user asks for `--method fp8`, every layer is dequantized exactly
-(fp32, `kernels.codecs.gguf.dequantize_gguf`) and re-quantized to FP8 online, and the plan says so.
-Plan rows show each layer's GGML type.
+Decoded exactly (`kernels.codecs.gguf.decode_gguf_int`): Q4_0 (symmetric int4, group 32, fp16
+scale) and Q8_0 (int8, group 32, fp16 scale), which every integer kernel takes; Q4_1 and Q4_K
+(int4, group 32, a float minimum per group: x = s * q + m), which only kernels that take a float
+zero hold — on CPU `cpu_int4` (its fp32 zero offsets keep m exact; the scale is rounded to bf16
+as for every checkpoint, recorded as `max_step_err`); Marlin and the GPU kernels take integer zero
+points only, so such layers find no GPU kernel and the plan says why. F32 / F16 / BF16 tensors are
+dense. Other block types (Q5_x, Q6_K, Q2_K/Q3_K, IQ*) are refused with the list of what is
+supported — or, when the user asks for `--method fp8`, every layer is dequantized exactly (fp32,
+`dequantize_gguf`) and re-quantized to FP8 online, and the plan says so. Plan rows show each
+layer's GGML type.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.gguf.checkpoint import FLOAT_TYPES, GgufCheckpoint
 
 # GGML type id -> the canonical integer weight it decodes to, exactly.
+FLOAT_MIN = LayerQuant("int", bits=4, group_size=32, symmetric=False, float_zeros=True)
 NATIVE: dict[str, LayerQuant] = {
     "Q4_0": LayerQuant("int", bits=4, group_size=32, symmetric=True),
     "Q8_0": LayerQuant("int", bits=8, group_size=32, symmetric=True),
+    "Q4_1": FLOAT_MIN,  # x = d * q + m
+    "Q4_K": FLOAT_MIN,  # per 32: x = (d * sc) * q - dmin * m
 }
 FLOAT_NAMES = ("F32", "F16", "BF16")
 

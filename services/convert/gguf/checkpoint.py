@@ -34,6 +34,7 @@ PLAIN_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32
 # Linear-layer weights (kept as raw blocks for the format to decode): every other tensor is plain.
 LAYER_WEIGHT_SUFFIXES = ("_proj.weight", "lm_head.weight", ".gate.weight")
 ROPE_FACTORS = "rope_freqs.weight"
+QK_TENSORS = tuple(f"self_attn.{p}_proj.{s}" for p in "qk" for s in ("weight", "bias"))  # llama.cpp permutes
 
 
 @dataclass
@@ -44,6 +45,10 @@ class GgufCheckpoint(Checkpoint):
     qk_heads: dict[str, int] = field(default_factory=dict)  # q/k weights to unpermute -> heads
     generated_files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files from metadata
     plain_dtype: torch.dtype = torch.bfloat16  # what a quantized non-layer tensor is dequantized to
+
+    @property
+    def uri(self) -> str:
+        return f"{self.source.uri.rstrip('/')}/{self.gguf_name}"
 
     def is_raw(self, name: str) -> bool:
         """A quantized linear-layer weight, read as its raw GGUF blocks."""
@@ -127,6 +132,12 @@ def _index(ckpt: GgufCheckpoint, gguf: GgufFile, tensor: GgufTensor, hf: str) ->
     shape = (*tensor.shape[:-1], tensor.nbytes // rows) if raw_layer else tuple(tensor.shape)  # raw: K bytes
     ckpt.tensors[hf] = TensorInfo(hf, ckpt.gguf_name, dtype, shape, tensor.start, tensor.end)
     arch = str(gguf.metadata.get("general.architecture", ""))
-    if needs_qk_unpermute(arch) and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-        heads_key = "num_attention_heads" if "q_proj" in hf else "num_key_value_heads"
+    qk = (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+    )
+    if needs_qk_unpermute(arch) and hf.endswith(qk):
+        heads_key = "num_attention_heads" if ".q_proj." in hf else "num_key_value_heads"
         ckpt.qk_heads[hf] = int(ckpt.config[heads_key])

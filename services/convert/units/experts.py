@@ -297,7 +297,7 @@ def _moe_spec(
             name=name, scheme=q.scheme, n=n, k=k, k_full=k_full, bits=q.bits, group_size=q.group_size,
             symmetric=q.symmetric, act_order=q.act_order, fp8_strategy=q.fp8_strategy,
             block_size=q.block_size, row_parallel=row_parallel, act_dtype=act_dtype,
-            int8_activations=q.int8_activations, shards=shards,
+            int8_activations=q.int8_activations, shards=shards, float_zeros=q.float_zeros,
         )  # fmt: skip
 
     w13 = linear(

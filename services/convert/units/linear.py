@@ -231,6 +231,7 @@ def rank_specs(
                 act_dtype=act_dtype,
                 int8_activations=q.int8_activations,
                 shards=shards,
+                float_zeros=q.float_zeros,
             )
         )
     return specs
