@@ -34,17 +34,24 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }  # fmt: skip
+# transformers keeps an MoE layer's gate and up projections fused: (E, 2I, H), gate rows first
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", ("ffn_gate_exps", "ffn_up_exps"))
 MERGED = "!!"  # one merge: a BPE vocabulary with none is not a file llama.cpp writes
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # the model's vocab_size must match
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 def gguf_name(hf_name: str) -> str:
-    """model.layers.3.mlp.down_proj.weight -> blk.3.ffn_down.weight."""
+    """model.layers.3.mlp.down_proj.weight -> blk.3.ffn_down.weight; a stacked expert parameter
+    (model.layers.0.mlp.experts.down_proj, no suffix) -> blk.0.ffn_down_exps.weight."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
+    if ".experts." in hf_name:
+        stem, suffix = hf_name, "weight"
     _, _, rest = stem.partition("model.layers.")
     layer, _, module = rest.partition(".")
     return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
@@ -67,6 +74,7 @@ def _tokenizer_metadata(writer: GGUFWriter) -> None:
 
 def _model_metadata(writer: GGUFWriter, model: PreTrainedModel) -> None:
     cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -75,47 +83,74 @@ def _model_metadata(writer: GGUFWriter, model: PreTrainedModel) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_file_type(LlamaFileType.MOSTLY_Q4_0)
 
 
 def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) -> PreTrainedModel:
-    """Write `model` (a LlamaForCausalLM with default rope and `VOCAB_SIZE` tokens) to GGUF `path`;
-    `types` maps a substring of a Hugging Face tensor name to its GGML type (first match; default F32
-    for 1-D tensors, F16 for the rest). Returns a copy of the model holding the weights the file
-    decodes to."""
-    cfg = model.config
-    heads = {
-        "self_attn.q_proj.weight": cfg.num_attention_heads,
-        "self_attn.k_proj.weight": cfg.num_key_value_heads,
-    }
+    """Write `model` (LlamaForCausalLM or Qwen3MoeForCausalLM, default rope, `VOCAB_SIZE` tokens) to
+    GGUF `path`; `types` maps a substring of a Hugging Face parameter name to its GGML type (first
+    match; default F32 for 1-D tensors, F16 for the rest). Returns a copy of the model holding the
+    weights the file decodes to."""
+    arch = {"llama": "llama", "qwen3_moe": "qwen3moe"}[model.config.model_type]
     reference = copy.deepcopy(model)
     ref_params = dict(reference.named_parameters())
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     _model_metadata(writer, model)
     _tokenizer_metadata(writer)
     for name, param in model.named_parameters():
+        kind = next((t for key, t in types.items() if key in name), Q.F32 if param.dim() == 1 else Q.F16)
         w = param.detach().float()
-        n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
-        stored = permute_qk_rows(w, n_head) if n_head else w
-        kind = next((t for key, t in types.items() if key in name), Q.F32 if w.dim() == 1 else Q.F16)
-        data = stored.numpy().astype(np.float16 if kind == Q.F16 else np.float32)
-        if kind in K_QUANTS:
-            data = random_k_blocks(tuple(w.shape), kind, seed=len(name))
-        elif kind not in (Q.F32, Q.F16):
-            data = quantize(stored.numpy(), kind)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
-        decoded = torch.from_numpy(np.array(dequantize(data, kind), dtype=np.float32)).reshape(w.shape)
-        if n_head:
-            decoded = torch.from_numpy(_unpermute(decoded.numpy(), n_head))
+        if name.endswith(FUSED_EXPERTS[0]):
+            halves = w.chunk(2, dim=1)
+            layer = name.removesuffix(FUSED_EXPERTS[0])
+            decoded = [
+                _add(writer, f"{layer.replace('model.layers.', 'blk.')}{part}.weight", h, kind, None)
+                for part, h in zip(FUSED_EXPERTS[1], halves, strict=True)
+            ]
+            decoded_w = torch.cat(decoded, dim=1)
+        else:
+            n_head = _qk_heads(model, arch, name)
+            decoded_w = _add(writer, gguf_name(name), w, kind, n_head)
         with torch.no_grad():
-            ref_params[name].copy_(decoded)
+            ref_params[name].copy_(decoded_w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def _qk_heads(model: PreTrainedModel, arch: str, name: str) -> int | None:
+    """Heads of a q / k projection whose rows llama.cpp permutes (LLaMA-family files only)."""
+    if arch != "llama":
+        return None
+    cfg = model.config
+    heads = {
+        "self_attn.q_proj.weight": cfg.num_attention_heads,
+        "self_attn.k_proj.weight": cfg.num_key_value_heads,
+    }
+    return next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
+
+
+def _add(writer: GGUFWriter, name: str, w: torch.Tensor, kind: Q, n_head: int | None) -> torch.Tensor:
+    """Store `w` as `kind` (q/k rows permuted first when `n_head`); the values a reader decodes."""
+    stored = permute_qk_rows(w, n_head) if n_head else w
+    data = stored.numpy().astype(np.float16 if kind == Q.F16 else np.float32)
+    if kind in K_QUANTS:
+        data = random_k_blocks(tuple(w.shape), kind, seed=len(name))
+    elif kind not in (Q.F32, Q.F16):
+        data = quantize(np.ascontiguousarray(stored.numpy()), kind)
+    writer.add_tensor(name, data, raw_dtype=kind)
+    decoded = np.array(dequantize(data, kind), dtype=np.float32).reshape(tuple(w.shape))
+    return torch.from_numpy(_unpermute(decoded, n_head) if n_head else decoded)
 
 
 def random_k_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:

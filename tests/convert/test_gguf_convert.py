@@ -117,3 +117,44 @@ def test_smollm2_q4_1_gguf_answers_the_question(tmp_path: Path, method: str) -> 
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) else ids
     assert "Paris" in generate_greedy(loaded, ids, 40).text
+
+
+def _tiny_qwen3_moe(seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("experts", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+def test_qwen3_moe_gguf_experts_become_expert_groups(tmp_path: Path, experts: Q) -> None:
+    """llama.cpp's stacked ffn_{gate,up,down}_exps become the same expert groups as a safetensors MoE
+    checkpoint: exact in the artifact, and the served log-probs match transformers on the weights the
+    file decodes to. (An expert group's three projections must share one type.)"""
+    types = {"mlp.experts.": experts, "self_attn.": Q.Q8_0}
+    path = tmp_path / "moe.gguf"
+    reference = write_llama_gguf(path, _tiny_qwen3_moe(), types)
+    row = next(r for r in plan(str(path), "sm80").rows if r.layer == "model.layers.0.mlp.experts")
+    assert row.scheme.endswith(f"GGUF {experts.name} → int{4 if experts == Q.Q4_0 else 8} g32 sym"), row
+    results = convert(ConversionRequest(str(path), ["cpu", "sm80"], out=str(tmp_path / "out")))
+    for r in results:
+        v = r.manifest.verification
+        assert v.ok and set(r.manifest.expert_groups) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}, v
+    cpu = next(r for r in results if r.target.value == "cpu")
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
+        want = reference(ids).logits[0].float().log_softmax(-1)
+    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL

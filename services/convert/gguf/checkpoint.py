@@ -19,10 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.codecs.gguf import dequantize_gguf, ggml_type_name, unpermute_qk_rows
-from kernels.errors import UnsupportedError
 from services.convert.checkpoint import Checkpoint
 from services.convert.gguf.container import GgufFile, GgufTensor, open_gguf
-from services.convert.gguf.metadata import hf_config, hf_tensor_name, needs_qk_unpermute, tokenizer_files
+from services.convert.gguf.metadata import (
+    expert_weight_name,
+    hf_config,
+    hf_tensor_name,
+    needs_qk_unpermute,
+    tokenizer_files,
+)
 from services.convert.limits import check_dimensions
 from services.convert.safetensors_io import TensorInfo
 from services.storage.base import SourceReader
@@ -31,8 +36,8 @@ log = logging.getLogger(__name__)
 
 FLOAT_TYPES = {0: ("F32", torch.float32), 1: ("F16", torch.float16), 30: ("BF16", torch.bfloat16)}
 PLAIN_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-# Linear-layer weights (kept as raw blocks for the format to decode): every other tensor is plain.
-LAYER_WEIGHT_SUFFIXES = ("_proj.weight", "lm_head.weight", ".gate.weight")
+# Read as float tensors even when quantized (dequantized): the embedding; 1-D tensors are always plain.
+PLAIN_SUFFIXES = ("embed_tokens.weight",)
 ROPE_FACTORS = "rope_freqs.weight"
 QK_TENSORS = tuple(f"self_attn.{p}_proj.{s}" for p in "qk" for s in ("weight", "bias"))  # llama.cpp permutes
 
@@ -51,8 +56,8 @@ class GgufCheckpoint(Checkpoint):
         return f"{self.source.uri.rstrip('/')}/{self.gguf_name}"
 
     def is_raw(self, name: str) -> bool:
-        """A quantized linear-layer weight, read as its raw GGUF blocks."""
-        return self.ggml_types[name] not in FLOAT_TYPES and name.endswith(LAYER_WEIGHT_SUFFIXES)
+        """A quantized layer weight (2-D, not the embedding), read as its raw GGUF blocks."""
+        return is_raw(name, self.ggml_types[name], self.shapes[name])
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return {name: self._read_tensor(name) for name in names}
@@ -97,13 +102,13 @@ def open_gguf_checkpoint(source: SourceReader, name: str) -> GgufCheckpoint:
         hf = hf_tensor_name(tensor.name, config)
         if hf is None:
             continue
-        if not hf.endswith((".weight", ".bias")):
-            raise UnsupportedError(
-                f"{source.uri}/{name}: {tensor.name} stacks every expert of a layer; GGUF files with "
-                "mixture-of-experts layers are not converted yet — convert the model's Hugging Face "
-                "checkpoint instead"
-            )
-        _index(ckpt, gguf, tensor, hf)
+        if hf.endswith((".weight", ".bias")):
+            _index(ckpt, gguf, tensor, hf, tensor.shape, tensor.start, tensor.end)
+        else:  # every expert of a layer stacked (E, N, K): one tensor entry per expert
+            experts, per = tensor.shape[0], tensor.nbytes // tensor.shape[0]
+            for e in range(experts):
+                start = tensor.start + e * per
+                _index(ckpt, gguf, tensor, expert_weight_name(hf, e), tensor.shape[1:], start, start + per)
     ckpt.generated_files = tokenizer_files(gguf.metadata)
     check_dimensions(config, ckpt.tensors)
     log.info("opened %s/%s: GGUF v%d, %d tensors", source.uri, name, gguf.version, len(ckpt.tensors))
@@ -119,25 +124,30 @@ def _rope_factors(source: SourceReader, name: str, gguf: GgufFile) -> list[float
     return dequantize_gguf(raw, tensor.ggml_type, tensor.shape[-1], ROPE_FACTORS).tolist()
 
 
-def _index(ckpt: GgufCheckpoint, gguf: GgufFile, tensor: GgufTensor, hf: str) -> None:
+def is_raw(name: str, ggml_type: int, shape: tuple[int, ...]) -> bool:
+    return ggml_type not in FLOAT_TYPES and len(shape) == 2 and not name.endswith(PLAIN_SUFFIXES)
+
+
+def _index(
+    ckpt: GgufCheckpoint,
+    gguf: GgufFile,
+    tensor: GgufTensor,
+    hf: str,
+    shape: tuple[int, ...],
+    start: int,
+    end: int,
+) -> None:
     kind = tensor.ggml_type
     ckpt.ggml_types[hf] = kind
-    ckpt.shapes[hf] = tuple(tensor.shape)
-    raw_layer = kind not in FLOAT_TYPES and hf.endswith(LAYER_WEIGHT_SUFFIXES)
+    ckpt.shapes[hf] = tuple(shape)
+    raw = is_raw(hf, kind, tuple(shape))
     if kind in FLOAT_TYPES:
         dtype = FLOAT_TYPES[kind][0]
     else:
-        dtype = "U8" if raw_layer else PLAIN_DTYPE_NAMES[ckpt.plain_dtype]
-    rows = math.prod(tensor.shape[:-1])
-    shape = (*tensor.shape[:-1], tensor.nbytes // rows) if raw_layer else tuple(tensor.shape)  # raw: K bytes
-    ckpt.tensors[hf] = TensorInfo(hf, ckpt.gguf_name, dtype, shape, tensor.start, tensor.end)
+        dtype = "U8" if raw else PLAIN_DTYPE_NAMES[ckpt.plain_dtype]
+    stored = (*shape[:-1], (end - start) // math.prod(shape[:-1])) if raw else tuple(shape)  # raw: K bytes
+    ckpt.tensors[hf] = TensorInfo(hf, ckpt.gguf_name, dtype, stored, start, end)
     arch = str(gguf.metadata.get("general.architecture", ""))
-    qk = (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-    )
-    if needs_qk_unpermute(arch) and hf.endswith(qk):
+    if needs_qk_unpermute(arch) and hf.endswith(QK_TENSORS):
         heads_key = "num_attention_heads" if ".q_proj." in hf else "num_key_value_heads"
         ckpt.qk_heads[hf] = int(ckpt.config[heads_key])

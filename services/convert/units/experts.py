@@ -59,6 +59,7 @@ class ExpertGroupUnit:
     fallback: bool
     source_tensors: list[str]
     expert_parallel: bool
+    source_label: str = ""  # the source encoding when the scheme does not say it (a GGUF block type)
 
     @property
     def name(self) -> str:
@@ -79,7 +80,9 @@ class ExpertGroupUnit:
         return PlanRow(
             layer=self.name,
             shards=[f"{self.layout.expert_prefix.format(e='*')}.{p}" for p in self.layout.parts],
-            scheme=f"{self.describe()}, {self.target_quant.describe()}"
+            scheme=f"{self.describe()}, "
+            + (f"{self.source_label} → " if self.source_label else "")
+            + self.target_quant.describe()
             + (" (online)" if self.online_fp8 else ""),
             kernel=self.kernel.name,
             fallback=self.fallback,
@@ -230,9 +233,10 @@ def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
             raise UnsupportedError(
                 f"{group.name}: kernel {choice.kernel.name} rejects a rank's shape: {reason}"
             )
+    labels = dict.fromkeys(ctx.fmt.source_label(group.module(0, part)) for part in range(3))
     return ExpertGroupUnit(
         group, quant, tq, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
-        ctx.expert_parallel,
+        ctx.expert_parallel, " + ".join(label for label in labels if label),
     )  # fmt: skip
 
 
