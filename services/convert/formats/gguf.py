@@ -52,7 +52,14 @@ class GgufFormat(CheckpointFormat):
         if not isinstance(ckpt, GgufCheckpoint):
             return None
         types = Counter(ckpt.type_name(name) for name in ckpt.ggml_types)
-        return cls(ckpt, {"quant_method": "gguf", "tensor_types": dict(sorted(types.items()))})
+        fmt = cls(ckpt, {"quant_method": "gguf", "tensor_types": dict(sorted(types.items()))})
+        plain = [n for n, kind in ckpt.ggml_types.items() if kind not in FLOAT_TYPES and not ckpt.is_raw(n)]
+        for name in plain:
+            fmt.notes.append(
+                f"GGUF: {name} ({ckpt.type_name(name)}) is dequantized to {str(ckpt.plain_dtype)[6:]} "
+                "(the runtime reads embeddings and norms as float tensors)"
+            )
+        return fmt
 
     def check_method(self, method: str) -> None:
         self.requantize = method == "fp8"
