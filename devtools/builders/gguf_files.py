@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import dequantize, quantize
-from transformers import PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from devtools.builders.tiny_artifacts import (
     BOS_ID,
@@ -29,7 +29,14 @@ from devtools.builders.tiny_artifacts import (
 from kernels.codecs.gguf import permute_qk_rows
 
 Q = GGMLQuantizationType
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # written as random blocks (`random_k_blocks`)
+# K-quants, written as random blocks (`random_k_blocks`): the byte offsets of their fp16 scales
+K_QUANTS: dict[Q, tuple[int, ...]] = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
 LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -73,7 +80,10 @@ def _tokenizer_metadata(writer: GGUFWriter) -> None:
 
 
 def _model_metadata(writer: GGUFWriter, model: PreTrainedModel) -> None:
-    cfg = model.config
+    _config_metadata(writer, model.config)
+
+
+def _config_metadata(writer: GGUFWriter, cfg: PretrainedConfig) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -160,8 +170,9 @@ def random_k_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
     rows, k = int(np.prod(shape[:-1])), shape[-1]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
-    scale = rng.uniform(1e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16)  # d, dmin
-    raw[:, 0:4] = scale.view(np.uint8)
+    for offset in K_QUANTS[kind]:
+        scale = rng.uniform(1e-4, 2e-3, (raw.shape[0], 1)).astype(np.float16)  # d, dmin
+        raw[:, offset : offset + 2] = scale.view(np.uint8)
     return raw.reshape(rows, k // block * size)
 
 

@@ -86,8 +86,10 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 
 DECODED_TYPES: tuple[int, ...] = tuple(t.id for t in GGML_TYPES.values() if t.decoded)
 # Held exactly as an IntWeight (decode_gguf_int): symmetric Q4_0 / Q8_0, and Q4_1 / Q4_K with a
 # float minimum per 32 (Q4_K's d * sc and dmin * m are exact in fp32: 11 x 6 significant bits).
-INT_TYPES: tuple[int, ...] = (Q4_0, Q4_1, Q8_0, Q4_K)
-FLOAT_MIN_TYPES: tuple[int, ...] = (Q4_1, Q4_K)
+INT_TYPES: tuple[int, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+FLOAT_MIN_TYPES: tuple[int, ...] = (Q4_1, Q5_1, Q4_K, Q5_K)
+INT_BITS: dict[int, int] = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8, Q4_K: 4, Q5_K: 5, Q6_K: 6}
+Q6_K_GROUP_SIZE = 16  # Q6_K scales every 16 values; the others every 32
 ENCODED_TYPES: tuple[int, ...] = (Q4_0, Q8_0)  # encode_gguf_int
 INT_GROUP_SIZE = 32
 
@@ -151,12 +153,13 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> tor
 
 
 def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> IntWeight:
-    """Q4_0 / Q4_1 / Q8_0 / Q4_K uint8 (N, K / block * type_size) -> `IntWeight`, group 32.
+    """A quantized GGUF weight (uint8 (N, K / block * type_size)) -> `IntWeight` with its codes as
+    stored, group 32 (Q6_K: 16), unsigned codes with the type's midpoint as the symmetric zero.
 
-    Q4_0: bits 4, codes = the nibbles, symmetric (zero 8), fp16 scales d. Q8_0: bits 8, codes = qs +
-    128 (zero 128), fp16 scales d. Q4_1: codes = the nibbles, fp16 scales d, fp16 mins m. Q4_K: per
-    sub-block of 32, fp32 scales d * sc and fp32 mins -(dmin * m). `IntWeight.dequantize()` equals
-    `dequantize_gguf` exactly.
+    Q4_0 / Q5_0 / Q8_0 / Q6_K: symmetric (x = (q - 2**(bits-1)) * s); Q8_0 codes are qs + 128. Q4_1 /
+    Q5_1: fp16 scales d and mins m (x = q * d + m). Q4_K / Q5_K: per 32, fp32 scales d * sc and mins
+    -(dmin * m); Q6_K: per 16, fp32 scales d * sc (products of ≤ 11 and 8 significant bits: exact).
+    `IntWeight.dequantize()` equals `dequantize_gguf` exactly.
     """
     if int(ggml_type) not in INT_TYPES:
         raise UnsupportedGgufType(name, ggml_type, INT_TYPES, "hold as integer codes")
@@ -164,9 +167,10 @@ def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> Int
         raise LayoutError(f"GGUF tensor {name!r}: an integer weight must be 2-D, got {tuple(raw.shape)}")
     t = GGML_TYPES[int(ggml_type)]
     rows2d = _rows(raw, ggml_type, k, name)
-    n, g = rows2d.shape[0], k // INT_GROUP_SIZE
+    group = Q6_K_GROUP_SIZE if t.id == Q6_K else INT_GROUP_SIZE
+    n, g = rows2d.shape[0], k // group
     blocks = rows2d.reshape(n * (k // t.block_size), t.type_size)  # (M, type_size), M blocks
-    codes, scales, mins = _INT_DECODERS[t.id](blocks)  # (M, block), (M, block / 32) x2
+    codes, scales, mins = _INT_DECODERS[t.id](blocks)  # (M, block), (M, block / group) x2
 
     def per_group(v: torch.Tensor) -> torch.Tensor:
         return v.reshape(n, g).T.contiguous()  # (G, N)
@@ -174,8 +178,8 @@ def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> Int
     return IntWeight(
         codes=codes.reshape(n, k),
         scales=per_group(scales),
-        bits=8 if t.id == Q8_0 else 4,
-        group_size=INT_GROUP_SIZE,
+        bits=INT_BITS[t.id],
+        group_size=group,
         mins=None if mins is None else per_group(mins),
     )
 
@@ -196,6 +200,14 @@ def _q4_1_int(b: torch.Tensor) -> IntBlocks:
     return _split_nibbles(b[:, 4:20]), _raw_f16(b, 0), _raw_f16(b, 2)
 
 
+def _q5_0_int(b: torch.Tensor) -> IntBlocks:
+    return _split_nibbles(b[:, 6:22]) | (_q5_high(b[:, 2:6]) << 4), _raw_f16(b, 0), None
+
+
+def _q5_1_int(b: torch.Tensor) -> IntBlocks:
+    return _split_nibbles(b[:, 8:24]) | (_q5_high(b[:, 4:8]) << 4), _raw_f16(b, 0), _raw_f16(b, 2)
+
+
 def _q8_0_int(b: torch.Tensor) -> IntBlocks:
     return b[:, 2:34] ^ 0x80, _raw_f16(b, 0), None  # int8 q + 128 as uint8
 
@@ -206,11 +218,32 @@ def _q4_k_int(b: torch.Tensor) -> IntBlocks:
     return codes, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
 
 
+def _q5_k_int(b: torch.Tensor) -> IntBlocks:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8)[:, None]
+    hi = (b[:, None, 16:48] >> shifts) & 1  # (M, 8, 32): element 32 s + l is bit s of qh[l]
+    codes = (_k_low_nibbles(b[:, 48:176]) | (hi << 4)).reshape(-1, 256)
+    return codes, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _q6_k_int(b: torch.Tensor) -> IntBlocks:
+    ql = b[:, 0:128].reshape(-1, 2, 1, 2, 32)  # (M, half, 1, ql byte run, 32)
+    lo = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)  # (M, half, 32-run c, l)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    hi = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3  # (M, half, c, l)
+    codes = (lo | (hi << 4)).reshape(-1, 256)  # q + 32
+    return codes, _f16(b, 208) * b[:, 192:208].view(torch.int8).float(), None
+
+
 _INT_DECODERS: dict[int, Callable[[torch.Tensor], IntBlocks]] = {
     Q4_0: _q4_0_int,
     Q4_1: _q4_1_int,
+    Q5_0: _q5_0_int,
+    Q5_1: _q5_1_int,
     Q8_0: _q8_0_int,
     Q4_K: _q4_k_int,
+    Q5_K: _q5_k_int,
+    Q6_K: _q6_k_int,
 }
 
 

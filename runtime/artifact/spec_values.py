@@ -16,7 +16,7 @@ from runtime.model_layout import MAX_EXPERTS
 
 # Far above any layer (the lm_head of a 4M-token vocabulary); the model config bounds them tightly.
 MAX_FEATURES = 1 << 24
-BITS = (2, 3, 4, 8, 16, 32)
+BITS = (2, 3, 4, 5, 6, 8, 16, 32)  # 5 / 6: GGUF Q5_x / Q6_K codes
 
 
 def _bits(value: int) -> int:

@@ -79,17 +79,30 @@ def test_float_minimum_types_run_on_cpu_int4_and_find_no_gpu_kernel(tmp_path: Pa
     assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
 
 
-def test_other_block_types_are_refused_unless_requantized(tmp_path: Path) -> None:
-    path, _ = _tiny(tmp_path, {"self_attn": Q.Q5_0, "mlp": Q.Q4_0})
-    with pytest.raises(
-        UnsupportedError, match=r"q_proj is GGUF Q5_0; .*Q4_0, Q8_0, Q4_1, Q4_K.*--method fp8"
-    ):
-        plan(str(path), "cpu")
-    p = plan(str(path), "cpu", method="fp8")
+def test_5_and_6_bit_types_run_dense_on_cpu_and_fp8_anywhere(tmp_path: Path) -> None:
+    """Q5_0 / Q6_K hold exactly only in fp32 on CPU (no packed kernel takes 5/6-bit codes); a GPU
+    target finds no kernel for them; --method fp8 re-quantizes every layer online."""
+    path, _ = _tiny(tmp_path, {"self_attn": Q.Q5_0, "mlp.down_proj": Q.Q6_K, "mlp": Q.Q4_0})
+    rows = {r.layer: r for r in plan(str(path), "cpu").rows}
+    assert rows["model.layers.0.self_attn.qkv_proj"].scheme == "GGUF Q5_0 → int5 g32 sym"
+    assert rows["model.layers.0.mlp.down_proj"].scheme == "GGUF Q6_K → int6 g16 sym"
+    assert rows["model.layers.0.mlp.down_proj"].kernel == "dense"
+    with pytest.raises(UnsupportedError, match=r"5-bit|6-bit|bits"):
+        plan(str(path), "sm80")
+    p = plan(str(path), "sm90", method="fp8")
     assert p.rows[0].scheme == "GGUF Q5_0 → fp8 tensor (online)"
     assert any("re-quantized to FP8 online" in n for n in p.notes)
-    [r] = convert(ConversionRequest(str(path), ["cpu"], method="fp8", out=str(tmp_path / "out")))
-    assert r.manifest.verification.ok
+    results = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "a")))
+    results += convert(ConversionRequest(str(path), ["cpu"], method="fp8", out=str(tmp_path / "b")))
+    assert all(r.manifest.verification.ok for r in results)
+    assert results[0].manifest.verification.layers_exact == 9
+
+
+def test_undecodable_block_types_are_refused_naming_the_layer(tmp_path: Path) -> None:
+    path, _ = _tiny(tmp_path, {"mlp.down_proj": Q.Q2_K, "mlp": Q.Q4_0})
+    for method in ("auto", "fp8"):
+        with pytest.raises(UnsupportedError, match=r"down_proj is GGUF Q2_K, a block type Kiln does not"):
+            plan(str(path), "cpu", method=method)  # type: ignore[arg-type]
 
 
 def test_a_gguf_is_found_by_file_or_directory(tmp_path: Path) -> None:

@@ -207,21 +207,34 @@ def test_int_decode_is_exact_and_round_trips(qtype: T, n_blocks: int) -> None:
     assert torch.equal(encode_gguf_int(w, int(qtype)), raw_t)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("n_blocks", [1, 3])
 def test_float_minimum_types_decode_exactly(qtype: T, n_blocks: int) -> None:
-    """Q4_1 (fp16 d, m per 32) and Q4_K (fp32 d*sc, -(dmin*m) per 32): codes * scale + min in fp32
-    is gguf's own dequantization, bit for bit."""
+    """Q4_1 / Q5_1 (fp16 d, m per 32) and Q4_K / Q5_K (fp32 d*sc, -(dmin*m) per 32): codes * scale +
+    min in fp32 is gguf's own dequantization, bit for bit."""
     raw = torch.from_numpy(_raw(np.random.default_rng([int(qtype), n_blocks, 11]), qtype, 4, n_blocks))
     block = GGML_TYPES[int(qtype)].block_size
     k = block * n_blocks
+    bits = 4 if qtype in (T.Q4_1, T.Q4_K) else 5
     w = decode_gguf_int(raw, int(qtype), k, "blk.0.attn_q.weight")
-    assert w.bits == 4 and w.group_size == 32 and w.zeros is None and w.mins is not None
-    assert not w.symmetric and w.codes.shape == (4, k) and int(w.codes.max()) < 16
+    assert w.bits == bits and w.group_size == 32 and w.zeros is None and w.mins is not None
+    assert not w.symmetric and w.codes.shape == (4, k) and int(w.codes.max()) < (1 << bits)
     assert w.scales.shape == w.mins.shape == (k // 32, 4)
-    assert w.scales.dtype == (torch.float16 if qtype == T.Q4_1 else torch.float32)
+    assert w.scales.dtype == (torch.float16 if qtype in (T.Q4_1, T.Q5_1) else torch.float32)
     assert torch.equal(w.dequantize(), dequantize_gguf(raw, int(qtype), k, "w"))
     assert torch.equal(w.dequantize(), _reference(raw.numpy(), qtype).reshape(4, k))
+
+
+@pytest.mark.parametrize(("qtype", "bits", "group"), [(T.Q5_0, 5, 32), (T.Q6_K, 6, 16)], ids=["Q5_0", "Q6_K"])
+def test_symmetric_5_and_6_bit_types_decode_exactly(qtype: T, bits: int, group: int) -> None:
+    """Q5_0 (x = d·(q - 16)) and Q6_K (x = (d·sc)·(q - 32), a scale per 16): the type's midpoint is the
+    symmetric zero of `IntWeight`."""
+    raw = torch.from_numpy(_raw(np.random.default_rng([int(qtype), 5]), qtype, 3, 2))
+    k = GGML_TYPES[int(qtype)].block_size * 2
+    w = decode_gguf_int(raw, int(qtype), k, "blk.1.ffn_down.weight")
+    assert (w.bits, w.group_size, w.symmetric) == (bits, group, True) and w.scales.shape == (k // group, 3)
+    assert int(w.codes.max()) < (1 << bits)
+    assert torch.equal(w.dequantize(), _reference(raw.numpy(), qtype).reshape(3, k))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=lambda q: q.name)
@@ -307,6 +320,8 @@ def test_malformed_inputs() -> None:
     assert "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16" in msg
     with pytest.raises(UnsupportedGgufType, match=r"'token_embd.weight' has type Q2_K \(id 10\)"):
         dequantize_gguf(raw, 10, 256, "token_embd.weight")
-    with pytest.raises(UnsupportedError, match="supported types: Q4_0, Q4_1, Q8_0, Q4_K"):
-        decode_gguf_int(raw, 13, 256, "blk.0.ffn_up.weight")
-    assert set(INT_TYPES) == {2, 3, 8, 12}
+    with pytest.raises(
+        UnsupportedError, match="supported types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"
+    ):
+        decode_gguf_int(raw, 10, 256, "blk.0.ffn_up.weight")
+    assert set(INT_TYPES) == {2, 3, 6, 7, 8, 12, 13, 14}

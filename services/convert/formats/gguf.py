@@ -3,13 +3,14 @@
 Decoded exactly (`kernels.codecs.gguf.decode_gguf_int`): Q4_0 (symmetric int4, group 32, fp16
 scale) and Q8_0 (int8, group 32, fp16 scale), which every integer kernel takes; Q4_1 and Q4_K
 (int4, group 32, a float minimum per group: x = s * q + m), which only kernels that take a float
-zero hold — on CPU `cpu_int4` (its fp32 zero offsets keep m exact; the scale is rounded to bf16
-as for every checkpoint, recorded as `max_step_err`); Marlin and the GPU kernels take integer zero
-points only, so such layers find no GPU kernel and the plan says why. F32 / F16 / BF16 tensors are
-dense. Other block types (Q5_x, Q6_K, Q2_K/Q3_K, IQ*) are refused with the list of what is
-supported — or, when the user asks for `--method fp8`, every layer is dequantized exactly (fp32,
-`dequantize_gguf`) and re-quantized to FP8 online, and the plan says so. Plan rows show each
-layer's GGML type.
+zero hold (`LinearKernel.takes_float_zeros`: on CPU `cpu_int4`, whose fp32 zero offsets keep m
+exact, the scale rounded to bf16 as for every checkpoint, recorded as `max_step_err`); Q5_0 / Q5_1
+/ Q5_K (5-bit) and Q6_K (6-bit, a scale per 16), which no packed kernel takes: on CPU they run
+dense (fp32, lossless, as 3-bit GPTQ does), on a GPU they find no kernel and the plan says why.
+F32 / F16 / BF16 tensors are dense. Other block types (Q2_K, Q3_K, IQ*, …) are refused with the
+list of what is supported. With `--method fp8` every layer is dequantized exactly (fp32,
+`dequantize_gguf`) and re-quantized to FP8 online (the way onto GPUs for what no GPU kernel takes),
+and the plan says so. Plan rows show each layer's GGML type.
 """
 
 from __future__ import annotations
@@ -27,13 +28,22 @@ from services.convert.checkpoint import Checkpoint
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.gguf.checkpoint import FLOAT_TYPES, GgufCheckpoint
 
+
 # GGML type id -> the canonical integer weight it decodes to, exactly.
-FLOAT_MIN = LayerQuant("int", bits=4, group_size=32, symmetric=False, float_zeros=True)
+def _int(bits: int, group: int = 32, *, float_min: bool = False) -> LayerQuant:
+    return LayerQuant("int", bits=bits, group_size=group, symmetric=not float_min, float_zeros=float_min)
+
+
+# GGML type -> the canonical integer weight `decode_gguf_int` gives, exactly.
 NATIVE: dict[str, LayerQuant] = {
-    "Q4_0": LayerQuant("int", bits=4, group_size=32, symmetric=True),
-    "Q8_0": LayerQuant("int", bits=8, group_size=32, symmetric=True),
-    "Q4_1": FLOAT_MIN,  # x = d * q + m
-    "Q4_K": FLOAT_MIN,  # per 32: x = (d * sc) * q - dmin * m
+    "Q4_0": _int(4),  # x = d * (q - 8)
+    "Q8_0": _int(8),  # x = d * q
+    "Q4_1": _int(4, float_min=True),  # x = d * q + m
+    "Q4_K": _int(4, float_min=True),  # per 32: x = (d * sc) * q - dmin * m
+    "Q5_0": _int(5),  # x = d * (q - 16)
+    "Q5_1": _int(5, float_min=True),
+    "Q5_K": _int(5, float_min=True),
+    "Q6_K": _int(6, 16),  # per 16: x = (d * sc) * (q - 32)
 }
 FLOAT_NAMES = ("F32", "F16", "BF16")
 
@@ -69,15 +79,15 @@ class GgufFormat(CheckpointFormat):
 
     def layer_quant(self, module: str, layout: LinearLayout) -> LayerQuant:
         kind = self.gguf.type_name(f"{module}.weight")
-        if kind in FLOAT_NAMES or self.requantize:
+        if kind in FLOAT_NAMES:
             return DENSE
-        if kind in NATIVE:
-            return NATIVE[kind]
-        supported = ", ".join([*NATIVE, *FLOAT_NAMES])
-        raise UnsupportedError(
-            f"layer {module} is GGUF {kind}; Kiln converts GGUF {supported} layers as they are — "
-            "convert with --method fp8 to dequantize every layer and re-quantize it to FP8 online"
-        )
+        if kind not in NATIVE:
+            supported = ", ".join([*NATIVE, *FLOAT_NAMES])
+            raise UnsupportedError(
+                f"layer {module} is GGUF {kind}, a block type Kiln does not decode; it converts GGUF "
+                f"{supported} layers (re-quantize the model to one of them, e.g. llama.cpp's Q4_K_M)"
+            )
+        return DENSE if self.requantize else NATIVE[kind]
 
     def source_label(self, module: str) -> str:
         return f"GGUF {self.gguf.type_name(f'{module}.weight')}"
