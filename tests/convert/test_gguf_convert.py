@@ -189,3 +189,25 @@ def test_a_gguf_on_s3_converts_through_ranged_reads(tmp_path: Path, s3_bucket: s
     assert remote.artifact_id == local.artifact_id and remote.manifest.verification.ok
     assert remote.manifest.source.uri == source
     assert [f.sha256 for f in remote.manifest.files] == [f.sha256 for f in local.manifest.files]
+
+
+def test_smollm2_gguf_artifact_is_served_by_kiln_serve(tmp_path: Path) -> None:
+    """`kiln serve` on the artifact of SmolLM2's Q4_1 GGUF (as it is) answers the chat question through
+    the official openai client, with the chat template the GGUF carries."""
+    from devtools.demo import ask, service_env
+    from devtools.processes import Server
+
+    try:
+        gguf = smollm2.gguf_file()
+    except smollm2.CheckpointUnavailable as e:
+        pytest.skip(str(e))
+    [r] = convert(ConversionRequest(str(gguf), ["cpu"], out=str(tmp_path / "store")))
+    serve = Server(
+        ["serve", r.uri, "--served-model-name", "smollm2-gguf"], service_env(tmp_path, 2), tmp_path / "log"
+    )
+    try:
+        serve.wait_ready(120)
+        text, _, tokens, _ = ask(serve.url, "smollm2-gguf")
+    finally:
+        serve.stop()
+    assert "Paris" in text and tokens > 0, text
