@@ -6,12 +6,18 @@ Stored tensors (per rank; pf = 32 // bits; G = number of scale groups):
     qweight  (K // pf, N) int32     codes packed along K, standard order (docs/formats.md §1.1)
     scales   (G, N)       act dtype dequant multipliers
     qzeros   (G, N // pf) int32     asymmetric only: TRUE zero points (GPTQ v2 semantics), packed along N
+    mins     (G, N)       act dtype float-minimum layers only (GGUF Q4_1 / Q4_K), instead of qzeros
     g_idx    (K,)         int32     act-order only: scale group of every input channel (original order)
     bias     (N,)         act dtype optional
     w[n, k] = (code[k, n] - zero[g, n]) * scales[g, n], g = g_idx[k] or k // group_size,
-    symmetric zero = 2 ** (bits - 1) (uint4b8 / uint8b128 codes).
+    symmetric zero = 2 ** (bits - 1) (uint4b8 / uint8b128 codes);
+    float minimum: w[n, k] = code[k, n] * scales[g, n] + mins[g, n] (codes packed as for a symmetric
+    layer; scales and mins rounded to the act dtype, so such a layer is exact only when they fit it).
 With act-order the scales hold every group g_idx can name (all groups of the full K when the layer
 is row-parallel, as vLLM keeps them).
+
+Float-minimum layers run their own Triton kernel (`_float_min_kernel`; the integer-zero kernel is
+untouched): with one group per K block, x @ (q s + m) = (x @ q) s + rowsum(x) m in fp32.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
 from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
+from kernels.errors import LayoutError
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
@@ -38,6 +45,7 @@ class GptqWNA16Kernel(LinearKernel):
     targets: ClassVar[frozenset[Target]] = GPU_TARGETS
     elsewhere: ClassVar[str] = "the cpu target uses cpu_int4 / cpu_int8"
     description: ClassVar[str] = "int2/4/8 weight-only, GPTQ-standard layout, Triton dequant-GEMM"
+    takes_float_zeros: ClassVar[bool] = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits == 3:
@@ -52,7 +60,7 @@ class GptqWNA16Kernel(LinearKernel):
         pf = 32 // spec.bits
         if spec.k % pf:
             return False, f"K per rank = {spec.k} is not a multiple of {pf} ({spec.bits}-bit codes per int32)"
-        if not spec.symmetric and spec.n % pf:
+        if not spec.symmetric and not spec.float_zeros and spec.n % pf:
             return False, f"N per rank = {spec.n} is not a multiple of {pf}: zero points pack {pf} per int32"
         if spec.group_size not in (-1, 0) and not spec.act_order and spec.k % spec.group_size:
             return False, f"K per rank = {spec.k} is not a multiple of group_size {spec.group_size}"
@@ -64,7 +72,9 @@ class GptqWNA16Kernel(LinearKernel):
             "qweight": StoredTensor((packed_length(k, spec.bits), n), torch.int32),
             "scales": StoredTensor((groups, n), act),
         }
-        if not spec.symmetric:
+        if spec.float_zeros:
+            out["mins"] = StoredTensor((groups, n), act)
+        elif not spec.symmetric:
             out["qzeros"] = StoredTensor((groups, packed_length(n, spec.bits)), torch.int32)
         if spec.act_order:
             out["g_idx"] = StoredTensor((k,), torch.int32)
@@ -72,6 +82,11 @@ class GptqWNA16Kernel(LinearKernel):
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         weight = self.prepare_input(weight, IntWeight, spec, group_map=True)
+        if (weight.mins is not None) != spec.float_zeros:
+            raise LayoutError(
+                f"{spec.name}: weight has {'a' if weight.mins is not None else 'no'} float minimum, "
+                f"spec says float_zeros={spec.float_zeros}"
+            )
         act = spec.torch_act_dtype
         out: dict[str, torch.Tensor] = {
             "qweight": pack_rows(weight.codes.T, spec.bits),  # (K // pf, N) int32
@@ -79,6 +94,8 @@ class GptqWNA16Kernel(LinearKernel):
         }
         if weight.zeros is not None:
             out["qzeros"] = pack_cols(weight.zeros, spec.bits)  # (G, N // pf) int32
+        if weight.mins is not None:
+            out["mins"] = weight.mins.to(act).contiguous()  # (G, N)
         if spec.act_order:
             out["g_idx"] = weight.group_index().to(torch.int32).contiguous()  # (K,)
         if weight.bias is not None:
@@ -92,7 +109,9 @@ class GptqWNA16Kernel(LinearKernel):
             zeros = unpack_cols(tensors["qzeros"].cpu(), spec.bits, spec.n).to(torch.uint8)  # (G, N)
         g_idx = tensors["g_idx"].cpu() if "g_idx" in tensors else None
         scales = tensors["scales"].cpu()
-        return IntWeight(codes.T, scales, spec.bits, spec.group_size, zeros, g_idx)  # codes: an (N, K) view
+        mins = tensors["mins"].cpu() if "mins" in tensors else None  # (G, N), float-minimum layers
+        # codes: an (N, K) view
+        return IntWeight(codes.T, scales, spec.bits, spec.group_size, zeros, g_idx, mins=mins)
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
@@ -100,6 +119,8 @@ class GptqWNA16Kernel(LinearKernel):
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
             return self.reference(x, tensors, spec)
+        if "mins" in tensors:
+            return gptq_wna16_float_min_gemm(x, tensors, spec)
         return gptq_wna16_gemm(x, tensors, spec)
 
 
@@ -161,4 +182,88 @@ def gptq_wna16_gemm(
         m, n, k, group,
         BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=act_order,
         PER_BLOCK_SCALE=per_block_scale,
+    )  # fmt: skip
+
+
+@triton_builder
+def _float_min_kernel(tl: ModuleType) -> Any:
+    gemm_program, store_tile = gemm_tiles()
+    x_tile = operand_tiles()[0]
+
+    def float_min_dot(
+        acc, x, q, S, MINS, GIDX, it, offs_k, mask_k, mask_n, offs_n, N, group_size,
+        ACT_ORDER: tl.constexpr, PER_BLOCK_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        if PER_BLOCK_SCALE:  # one group row per K block: x @ (q s + m) = (x @ q) s + rowsum(x) m
+            g = (it * BLOCK_K) // group_size
+            s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            m = tl.load(MINS + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            w = q.to(tl.float32)
+            if not BF16_INTERP:
+                w = w.to(x.dtype)  # integers below 256: exact in bf16/fp16
+            x_sum = tl.sum(x.to(tl.float32), axis=1)  # (BLOCK_M,), masked K columns are 0
+            acc += tl.dot(x, w) * s[None, :] + x_sum[:, None] * m[None, :]
+        else:
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            if ACT_ORDER:
+                g = tl.load(GIDX + offs_k, mask=mask_k, other=0)
+            else:
+                g = offs_k // group_size
+            s = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+            m = tl.load(MINS + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * s + m
+            if not BF16_INTERP:
+                w = w.to(x.dtype)
+            acc += tl.dot(x, w)
+        return acc
+
+    float_min_dot = jit(float_min_dot)
+
+    def gptq_wna16_float_min_kernel(
+        X, QW, S, MINS, GIDX, BIAS, Y,
+        M, N, K, group_size,
+        BITS: tl.constexpr, ACT_ORDER: tl.constexpr, PER_BLOCK_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        PF: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
+            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
+            acc = float_min_dot(
+                acc, x, q, S, MINS, GIDX, it, offs_k, mask_k, mask_n, offs_n, N, group_size,
+                ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
+            )  # fmt: skip
+
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(gptq_wna16_float_min_kernel)
+
+
+def gptq_wna16_float_min_gemm(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for a float-minimum layer (w = q * s + m); x (..., K) bf16/fp16 -> (..., N)."""
+    x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
+    m, n, k = x2.shape[0], spec.n, spec.k
+    act_order = "g_idx" in tensors
+    group = k if spec.group_size in (-1, 0) else spec.group_size
+    cfg, per_block_scale = fit_to_groups(
+        config or default_config(m, n, k, x.device), group, act_order=act_order
+    )
+    scales = tensors["scales"]
+    run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    return run.launch(
+        _float_min_kernel(),
+        x2, tensors["qweight"], scales, tensors["mins"], tensors.get("g_idx", scales), run.bias_or(scales),
+        run.y, m, n, k, group,
+        BITS=spec.bits, ACT_ORDER=act_order, PER_BLOCK_SCALE=per_block_scale,
     )  # fmt: skip

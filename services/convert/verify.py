@@ -6,7 +6,10 @@ Bounds (named, documented):
   activation dtype) -> "exact". A kernel that rounds scales to a narrower float (cpu_int4 / cpu_int8
   keep bf16 scales) may differ per element by |q - z| * SCALE_ROUNDING_REL steps plus at most
   INT_STEP_BOUND steps ("max_step_err" = the worst excess in units of the element's group scale);
-  one wrong code or zero point is a whole step and fails.
+  one wrong code or zero point is a whole step and fails. A float minimum (w = q * s + m, GGUF
+  Q4_1 / Q4_K) is exact only as stored in the checkpoint; rounded (gptq_wna16 stores it in the
+  activation dtype) it moves w by up to |m| * 2^-9, allowed as |m| / s * MIN_ROUNDING_REL steps
+  (`rounding_allowance`: a rounded scale then multiplies q or q - mid, as the layout has it).
 * FP8 from an FP8 checkpoint: exact unless the kernel requantizes fused per-tensor shards to one
   scale (vLLM's requantize_with_max_scale) or casts scales: max |diff| / max |w| <= FP8_REL_BOUND.
 * online FP8 (from bf16/fp16): e4m3 round-to-nearest has relative error <= 2^-4 for normals and a
@@ -27,6 +30,7 @@ from runtime.artifact.manifest import LayerVerification
 
 INT_STEP_BOUND = 0.25
 SCALE_ROUNDING_REL = 2.0**-8  # a scale rounded to bf16 (2^-9 relative) with 2x slack
+MIN_ROUNDING_REL = 2.0**-8  # a float minimum rounded to bf16 (2^-9 relative) with 2x slack
 FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding slack
 DENSE_CAST_REL_BOUND = 2.0**-8
 _TINY = 1e-30
@@ -113,9 +117,10 @@ def compare_int_stored(
     stored: IntWeight | None, source: SourceWeight, act_dtype: torch.dtype
 ) -> LayerVerification | None:
     """ "exact" when the integer weight a layout stores (`LinearKernel.stored_int_weight`) equals the
-    source value for value: codes, zero points, group of every input channel, scales as in the
-    checkpoint or cast to the activation dtype. None otherwise: the caller then compares the
-    dequantized weights, which also measures how far off they are."""
+    source value for value: codes, zero points or float minimums (their values as in the checkpoint),
+    group of every input channel, scales as in the checkpoint or cast to the activation dtype. None
+    otherwise: the caller then compares the dequantized weights, which also measures how far off
+    they are."""
     if stored is None or not isinstance(source, IntWeight):
         return None
     if stored.bits != source.bits or stored.codes.shape != source.codes.shape:
@@ -128,7 +133,8 @@ def compare_int_stored(
         return None
     if (stored.mins is None) != (source.mins is None):
         return None
-    if stored.mins is not None and not torch.equal(stored.mins, source.mins.to(stored.mins.dtype)):  # type: ignore[union-attr]
+    # minimums as in the checkpoint only (no act-dtype cast is "exact" for them: `references`)
+    if stored.mins is not None and not torch.equal(stored.mins.float(), source.mins.float()):  # type: ignore[union-attr]
         return None
     if not torch.equal(stored.group_index(), source.group_index()):
         return None
@@ -136,6 +142,21 @@ def compare_int_stored(
     if not any(s.dtype == stored.scales.dtype and torch.equal(s, stored.scales) for s in scales):
         return None
     return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+
+
+def rounding_allowance(source: IntWeight, gi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """(N, K) steps each element may move when the layout rounds the scales (and float minimums) to a
+    narrower float; `gi`: group of every input channel, `step`: |s| of every element (N, K).
+    w = (q - z) * s: |q - z| * SCALE_ROUNDING_REL. w = q * s + m: the rounded scale multiplies q where
+    the layout stores m (gptq_wna16) and q - mid where it keeps mid * s + m exact (cpu_int4), so
+    max(q, |q - mid|) * SCALE_ROUNDING_REL, plus |m| / s * MIN_ROUNDING_REL for a rounded m."""
+    codes = source.codes.float()
+    mid = torch.full_like(step, float(1 << (source.bits - 1)))
+    if source.mins is not None:
+        scale_part = torch.maximum(codes, (codes - mid).abs()) * SCALE_ROUNDING_REL
+        return scale_part + source.mins.float()[gi].T.abs() / step * MIN_ROUNDING_REL
+    zeros = mid if source.zeros is None else source.zeros.float()[gi].T
+    return (codes - zeros).abs() * SCALE_ROUNDING_REL
 
 
 def compare(
@@ -156,10 +177,10 @@ def compare(
     if isinstance(source, IntWeight) and not online_fp8:
         gi = source.group_index()
         step = source.scales.float()[gi].T.abs().clamp_min(_TINY)
-        mid = torch.full_like(step, float(1 << (source.bits - 1)))
-        zeros = mid if source.zeros is None else source.zeros.float()[gi].T
-        rounding = (source.codes.float() - zeros).abs() * SCALE_ROUNDING_REL  # scale-rounding allowance
+        rounding = rounding_allowance(source, gi, step)
         value = min(float(((got - r).abs() / step - rounding).max()) for r in refs)
+        if value < 0:  # every element within its allowance (a float minimum's is > 0 everywhere)
+            value = 0.0
         return LayerVerification(
             ok=value <= INT_STEP_BOUND, metric="max_step_err", value=value, bound=INT_STEP_BOUND
         )

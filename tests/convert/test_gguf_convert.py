@@ -211,3 +211,30 @@ def test_smollm2_gguf_artifact_is_served_by_kiln_serve(tmp_path: Path) -> None:
     finally:
         serve.stop()
     assert "Paris" in text and tokens > 0, text
+
+
+def test_float_minimum_types_convert_for_gpus_on_gptq_wna16(tmp_path: Path) -> None:
+    """Q4_1 / Q4_K on a GPU target: Marlin takes integer zero points only, gptq_wna16 stores the float
+    minimums (in the act dtype, as its scales). Q4_K's fp32 d and m round to bf16 (`max_step_err`, within
+    the minimums' rounding allowance); every Q4_1 layer of SmolLM2 plans onto gptq_wna16 for sm80 and
+    its artifact verifies."""
+    types = {"self_attn": Q.Q4_1, "mlp.down_proj": Q.Q4_K, "mlp": Q.Q4_1, "lm_head": Q.Q4_1}
+    path, _ = _tiny(tmp_path, types)
+    [tiny] = convert(ConversionRequest(str(path), ["sm80"], out=str(tmp_path / "tiny")))
+    assert tiny.manifest.verification.ok and tiny.manifest.verification.layers_checked == 9
+    assert {e.kernel for e in tiny.manifest.layers.values()} == {"gptq_wna16"}
+    down = tiny.manifest.layers["model.layers.0.mlp.down_proj"]
+    assert "mins" in down.tensors and down.verification.metric == "max_step_err"
+    try:
+        gguf = smollm2.gguf_file()
+    except smollm2.CheckpointUnavailable as e:
+        pytest.skip(str(e))
+    rows = plan(str(gguf), "sm80").rows
+    assert rows and all(r.scheme == "GGUF Q4_1 → int4 g32 float-min" for r in rows)
+    assert {r.kernel for r in rows} == {"gptq_wna16"}
+    for r in rows:
+        assert any(n == "marlin_wna16" and "integer zero points only" in why for n, why in r.rejections), r
+    [result] = convert(ConversionRequest(str(gguf), ["sm80"], out=str(tmp_path / "smollm2")))
+    v = result.manifest.verification
+    assert v.ok and v.layers_checked == len(rows), v
+    assert all(e.spec.get("float_zeros") and "mins" in e.tensors for e in result.manifest.layers.values())

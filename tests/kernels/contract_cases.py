@@ -8,7 +8,9 @@ Source weights are "exact" unless marked otherwise: every value they carry (inte
 dense values, biases) is representable in bf16, fp16 and fp32, so a layout that keeps the codes and
 casts scales / values to the dtype it stores must give the canonical dequantization back bit for bit.
 The non-exact variants carry what real checkpoints do (fp16 GPTQ scales, fp32 FP8 scales, an fp32
-dense weight), which a layout may round to its stored dtype.
+dense weight, GGUF Q4_1's fp16 scales and float minimums), which a layout may round to its stored dtype.
+Float-minimum weights (w = q * s + m, `float_zeros`) reach every kernel that declares
+`takes_float_zeros`; the others refuse them in `can_implement`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Variant:
     # FP8 per-tensor: one (distinct) scale per shard of the layer's spec, as a checkpoint holding
     # q/k/v or gate/up separately has; without it one scale covers the whole layer (online FP8).
     shard_scales: bool = False
+    # A float minimum per group instead of integer zero points (GGUF Q4_1 / Q4_K; symmetric=False).
+    float_zeros: bool = False
 
     def spec(
         self, n: int, k: int, act_dtype: str, *, name: str, shards: tuple[ShardSpec, ...], bias: bool
@@ -85,23 +89,27 @@ class Variant:
             act_dtype=act_dtype,
             int8_activations=self.int8_activations,
             shards=shards,
+            float_zeros=self.float_zeros,
         )
 
     def weight(self, n: int, k: int, *, shards: tuple[ShardSpec, ...], bias: bool, seed: int) -> SourceWeight:
         """The canonical (N, K) weight, drawn from `seed`."""
         if self.scheme == "int":
+            scale_dtype = torch.bfloat16 if self.exact else torch.float16
             w = int_weight(
                 n,
                 k,
                 bits=self.bits,
                 group_size=self.group_size,
-                symmetric=self.symmetric,
+                symmetric=self.symmetric or self.float_zeros,
                 act_order=self.act_order,
                 # bf16 scales in [1e-3, 0.021): fp16 normals, so exact in both
-                scale_dtype=torch.bfloat16 if self.exact else torch.float16,
+                scale_dtype=scale_dtype,
                 seed=seed,
             )
             w.bias = _bias(n, seed) if bias else None
+            if self.float_zeros:
+                w.mins = _mins(w.scales.shape, scale_dtype, seed)
             return w
         if self.scheme == "fp8":
             fw = self._fp8_weight(n, k, shards, seed)
@@ -143,6 +151,15 @@ def exact_scales(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return torch.randint(32, 64, shape, generator=gen).float() * 2.0**-12
 
 
+def _mins(shape: torch.Size, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """(G, N) float minimums of a group's range (about -8 steps, as Q4_1 puts them): in bf16 integers of
+    8 significant bits times 2^-10, exact in bf16, fp16 and fp32; in fp16 of 11 (bf16 rounds them)."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    if dtype == torch.bfloat16:
+        return (torch.randint(-160, 32, shape, generator=gen) * 2.0**-10).to(dtype)
+    return (torch.rand(shape, generator=gen) * -0.19 + 0.03).to(dtype)
+
+
 def _bias(n: int, seed: int) -> torch.Tensor:
     """(N,) bf16 bias of 8 significant bits in [-2, 2): exact in bf16, fp16 and fp32."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -169,6 +186,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fp8-channel-fp32scales", "fp8", exact=False, bits=8, fp8_strategy="channel"),
     Variant("dense", "dense"),
     Variant("dense-fp32", "dense", exact=False),
+    Variant("int4-g32-floatmin", "int", bits=4, group_size=32, symmetric=False, float_zeros=True),
+    Variant(  # GGUF Q4_1: fp16 scales and minimums
+        "int4-g32-floatmin-fp16", "int", exact=False, bits=4, group_size=32, symmetric=False, float_zeros=True
+    ),
 )
 
 

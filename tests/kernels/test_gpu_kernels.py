@@ -43,6 +43,7 @@ class IntCase:
     symmetric: bool = True
     act_order: bool = False
     int8_activations: bool = False
+    float_min: bool = False  # w = q * s + m with a float minimum per group (GGUF Q4_1 / Q4_K)
 
     def spec(self, dtype: torch.dtype, *, k_full: int = 0, row_parallel: bool = False) -> LinearSpec:
         return LinearSpec(
@@ -59,6 +60,7 @@ class IntCase:
             has_bias=True,
             act_dtype=DTYPE_NAMES[dtype],
             int8_activations=self.int8_activations,
+            float_zeros=self.float_min,
         )
 
     def weight(self, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> IntWeight:
@@ -70,9 +72,11 @@ class IntCase:
         scales = (torch.rand(groups, n, generator=gen) + 0.5) * (2.0 / (1 << bits))
         zeros = (
             None
-            if self.symmetric
+            if self.symmetric or self.float_min
             else torch.randint(0, 1 << bits, (groups, n), generator=gen, dtype=torch.uint8)
         )
+        # a minimum about 8 steps below zero, as Q4_1 / Q4_K put it for a group spanning zero
+        mins = -(torch.rand(groups, n, generator=gen) * 8 + 4) * scales if self.float_min else None
         g_idx = None
         if self.act_order:
             g_idx = (torch.randperm(k, generator=gen) // self.group_size).to(torch.int32)
@@ -85,6 +89,7 @@ class IntCase:
             zeros=zeros,
             g_idx=g_idx,
             bias=bias.to(dtype),
+            mins=None if mins is None else mins.to(dtype),
         )
 
 
@@ -144,6 +149,9 @@ GPTQ_CASES = [
     IntCase(128, 256, 2, 128, symmetric=False, act_order=True),
     IntCase(64, 320, 4, 40, symmetric=False),  # group not a multiple of 16: per-row scale gather
     IntCase(64, 256, 8, 64, symmetric=False, act_order=True),
+    IntCase(100, 384, 4, 32, symmetric=False, float_min=True),  # N % 8: minimums are not packed
+    IntCase(64, 320, 4, 40, symmetric=False, float_min=True),  # per-element scale and minimum gather
+    IntCase(128, 256, 4, 64, symmetric=False, act_order=True, float_min=True),
 ]
 MARLIN_CASES = [
     IntCase(128, 256, 4, 64),
@@ -319,6 +327,8 @@ def test_int_layouts_give_back_the_source_int_weight(dtype: torch.dtype) -> None
             assert torch.equal(got.codes, w.codes) and got.bits == w.bits, (name, case)
             assert (got.zeros is None) == (w.zeros is None), (name, case)
             assert got.zeros is None or torch.equal(got.zeros, w.zeros), (name, case)
+            assert (got.mins is None) == (w.mins is None), (name, case)
+            assert got.mins is None or torch.equal(got.mins, w.mins.to(dtype)), (name, case)
             assert torch.equal(got.group_index(), w.group_index()), (name, case)
             assert torch.equal(got.scales, w.scales.to(dtype)), (name, case)
             assert torch.equal(got.dequantize(), k.dequantize(tensors, spec)), (name, case)
@@ -585,3 +595,155 @@ def test_fp8_marlin_fused_layer_with_one_online_scale() -> None:
     tensors = k.prepare(w, spec, Target.SM90)
     got, want = k.dequantize(tensors, spec), w.dequantize()
     assert bool(((got - want).abs() <= FP8_SCALE_CAST_REL[torch.bfloat16] * want.abs()).all())
+
+
+# --------------------------------------------------------------------------------------------
+# Float minimums (GGUF Q4_1 / Q4_K: w = q * s + m) on gptq_wna16
+# --------------------------------------------------------------------------------------------
+
+GGUF_GROUP = 32
+
+
+def gguf_like(n: int, k: int, kind: str, seed: int = 0) -> IntWeight:
+    """A weight quantized as llama.cpp does Q4_1 (per 32: d = (max - min) / 15, m = min, q = round((w -
+    m) / d), d and m fp16) or, for "q4_k", with fp32 d and m and a few groups of scale 0 that keep
+    their minimum (a Q4_K sub-block whose 6-bit scale is 0). The first n // 8 rows are narrow groups
+    far from zero, where |m| / d is in the hundreds (m's rounding, not d's, dominates)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[: n // 8] = 1.0 + torch.randn(n // 8, k, generator=gen) * 0.002
+    g = w.reshape(n, k // GGUF_GROUP, GGUF_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    dtype = torch.float16 if kind == "q4_1" else torch.float32
+    d, m = ((hi - lo) / 15).to(dtype), lo.to(dtype)  # (N, G)
+    if kind == "q4_k":
+        d[n // 2, :2] = 0.0
+    q = ((g - m.float()[..., None]) / d.float().clamp_min(1e-30)[..., None]).round().clamp(0, 15)
+    return IntWeight(
+        codes=q.reshape(n, k).to(torch.uint8),
+        scales=d.T.contiguous(),
+        bits=4,
+        group_size=GGUF_GROUP,
+        bias=torch.randn(n, generator=gen).to(torch.bfloat16),
+        mins=m.T.contiguous(),
+    )
+
+
+def gguf_spec(n: int, k: int, dtype: torch.dtype) -> LinearSpec:
+    return IntCase(n, k, 4, GGUF_GROUP, symmetric=False, float_min=True).spec(dtype)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES.get)
+def test_float_minimum_gemm_matches_the_fp32_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
+    """The Triton GEMM (the per-K-block path, (x @ q) s + rowsum(x) m, and split-K) against x @ W.T in
+    fp32 on the source's own dequantization: the gap is the act-dtype rounding of x, s, m and y."""
+    from kernels.gptq_wna16 import gptq_wna16_float_min_gemm
+
+    n, k = 100, 576  # SmolLM2's K; N not a multiple of 8
+    w = gguf_like(n, k, kind)
+    spec = gguf_spec(n, k, dtype)
+    kern = kernel("gptq_wna16")
+    tensors = kern.prepare(w, spec, Target.SM80)
+    assert set(tensors) == {"qweight", "scales", "mins", "bias"}
+    gen = torch.Generator().manual_seed(3)
+    configs = (None, launch.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=3))
+    for m, cfg in zip((1, 33), configs, strict=True):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        want = x.float() @ w.dequantize().T + w.bias.float()  # type: ignore[union-attr]
+        y = kern.apply(x, tensors, spec) if cfg is None else gptq_wna16_float_min_gemm(x, tensors, spec, cfg)
+        assert y.dtype == dtype and y.shape == (m, n)
+        err = rel_err(y, want)
+        assert err < GEMM_REL_TOL[dtype], f"{kind} M={m}: relative error {err:.2e}"
+
+
+def test_float_minimum_layout_and_refusals() -> None:
+    from kernels.errors import LayoutError
+    from kernels.registry import choose_kernel
+
+    gptq, marlin = kernel("gptq_wna16"), kernel("marlin_wna16")
+    spec = gguf_spec(100, 576, torch.bfloat16)
+    assert gptq.can_implement(spec, Target.SM80) == (True, "")
+    ok, reason = marlin.can_implement(gguf_spec(128, 576, torch.bfloat16), Target.SM90)
+    assert not ok and "integer zero points only" in reason
+    choice = choose_kernel(gguf_spec(128, 512, torch.bfloat16), Target.SM90)
+    assert choice.kernel.name == "gptq_wna16"
+    assert any(name == "marlin_wna16" and "integer zero points only" in why for name, why in choice.rejected)
+    stored = gptq.stored_tensors(spec, Target.SM80)
+    assert set(stored) == {"qweight", "scales", "mins", "bias"}  # no qzeros
+    assert (stored["mins"].shape, stored["mins"].dtype) == ((576 // GGUF_GROUP, 100), torch.bfloat16)
+    three_bit = IntCase(128, 256, 3, 32, symmetric=False, float_min=True).spec(torch.float16)
+    ok, reason = gptq.can_implement(three_bit, Target.SM80)
+    assert not ok and "3-bit" in reason
+    ok, reason = gptq.can_implement(gguf_spec(128, 256, torch.bfloat16), Target.SM75)
+    assert not ok and "float16" in reason
+    w = gguf_like(100, 576, "q4_1")
+    asym = IntCase(100, 576, 4, GGUF_GROUP, symmetric=False).spec(torch.bfloat16)  # integer zero points
+    with pytest.raises(LayoutError, match="float minimum"):
+        gptq.prepare(w, asym, Target.SM80)
+
+
+def test_float_minimum_layout_verifies_within_its_rounding_allowance() -> None:
+    """The converter's check of this layout (services/convert/verify.py): fp16 activations keep Q4_1's
+    fp16 d and m as they are ("exact"); bf16 rounds both, which moves narrow groups far from zero by
+    more than INT_STEP_BOUND steps, so the check allows |m| / d * MIN_ROUNDING_REL steps; a code off
+    by one is still a whole step and fails."""
+    from services.convert.verify import INT_STEP_BOUND, compare, compare_int_stored
+
+    gptq = kernel("gptq_wna16")
+    w = gguf_like(96, 256, "q4_1")
+    for dtype in DTYPES:
+        spec = gguf_spec(96, 256, dtype)
+        tensors = gptq.prepare(w, spec, Target.SM80)
+        exact = compare_int_stored(gptq.stored_int_weight(tensors, spec), w, dtype)
+        got = gptq.dequantize(tensors, spec)
+        check = compare(got, w, dtype)
+        assert check.ok, (dtype, check)
+        if dtype == torch.float16:
+            assert exact is not None and exact.metric == check.metric == "exact"
+            continue
+        assert exact is None and check.metric == "max_step_err"  # rounded minimums are never "exact"
+        step = w.scales.float().repeat_interleave(GGUF_GROUP, 0).T
+        assert float(((got - w.dequantize()).abs() / step).max()) > INT_STEP_BOUND  # the allowance is needed
+        row, col = 90, 7  # a group spanning zero: |m| / d about 8
+        off = got.clone()
+        off[row, col] += float(w.scales[col // GGUF_GROUP, row])
+        assert not compare(off, w, dtype).ok
+
+
+@pytest.mark.slow
+def test_float_minimum_kernel_compiles_for_cuda_targets() -> None:
+    """Ahead-of-time compile of `_float_min_kernel` (bench/gpu_check.py's compile matrix covers the
+    integer-zero kernel only) for sm75 (fp16) / sm80 / sm90 at the decode and prefill tile configs,
+    per-K-block and gathered scales, shared memory within each arch's limit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+sys.argv.append("--compile-only")
+from bench.gpu_check import SMEM_LIMIT, compile_kernel
+from kernels import gptq_wna16
+from kernels.launch import cuda_block_config, fit_to_groups
+for arch, act in ((75, "fp16"), (80, "bf16"), (90, "bf16")):
+    sig = {n: f"*{act}" for n in ("X", "S", "MINS", "BIAS", "Y")}
+    sig |= {"QW": "*i32", "GIDX": "*i32", "M": "i32", "N": "i32", "K": "i32", "group_size": "i32"}
+    for m in (1, 256):
+        for act_order in (False, True):
+            cfg, per_block = fit_to_groups(cuda_block_config(m), 32, act_order=act_order)
+            consts = dict(BITS=4, ACT_ORDER=act_order, PER_BLOCK_SCALE=per_block, HAS_BIAS=True,
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          SPLIT_K=2 if m == 1 else 1, BF16_INTERP=False)
+            smem = compile_kernel(gptq_wna16._float_min_kernel(), sig, consts, arch, cfg.num_warps,
+                                  cfg.num_stages)
+            assert smem <= SMEM_LIMIT[86 if arch == 80 else arch], (arch, m, act_order, smem)
+print("compiled")
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]

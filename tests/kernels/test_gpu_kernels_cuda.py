@@ -42,6 +42,8 @@ INT_CASES = {
         IntCase(768, 1536, 8, -1),
         IntCase(512, 2048, 2, 64, symmetric=False, act_order=True),
         IntCase(640, 1280, 4, 40),  # group not a power of two: per-row scale gather
+        IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
+        IntCase(768, 2048, 4, 32, symmetric=False, act_order=True, float_min=True),  # gathered minimums
     ],
 }
 FP8_CASES = {
@@ -99,13 +101,14 @@ def test_apply_matches_reference_on_cuda(name: str, case: Any, dtype: torch.dtyp
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_explicit_configs_on_cuda(split_k: int) -> None:
     from kernels.fp8_marlin import fp8_marlin_gemm
-    from kernels.gptq_wna16 import gptq_wna16_gemm
+    from kernels.gptq_wna16 import gptq_wna16_float_min_gemm, gptq_wna16_gemm
     from kernels.marlin_wna16 import marlin_wna16_gemm
 
     cfg = launch.GemmConfig(block_m=32, block_n=128, block_k=64, split_k=split_k, num_stages=2)
     dtype = torch.bfloat16
     for name, case, fn in (
         ("gptq_wna16", INT_CASES["gptq_wna16"][1], gptq_wna16_gemm),
+        ("gptq_wna16", INT_CASES["gptq_wna16"][5], gptq_wna16_float_min_gemm),
         ("marlin_wna16", INT_CASES["marlin_wna16"][1], marlin_wna16_gemm),
         ("fp8_marlin", FP8_CASES["fp8_marlin"][2], fp8_marlin_gemm),
     ):

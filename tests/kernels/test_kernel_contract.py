@@ -164,6 +164,9 @@ def check_stored_int_weight(
     assert (got.zeros is None) == (source.zeros is None), f"{what}: zero points present or not"
     if got.zeros is not None and source.zeros is not None:
         assert torch.equal(got.zeros, source.zeros), f"{what}: zero points"
+    assert (got.mins is None) == (source.mins is None), f"{what}: float minimums present or not"
+    if got.mins is not None and source.mins is not None:  # stored in a float dtype, as the scales
+        assert torch.equal(got.mins, source.mins.to(got.mins.dtype)), f"{what}: float minimums"
     assert torch.equal(got.group_index(), source.group_index()), f"{what}: group of each input channel"
     assert torch.equal(got.scales, source.scales.to(got.scales.dtype)), f"{what}: scales"
     assert torch.equal(got.dequantize(), dequantized), f"{what}: its dequantization is not `dequantize`'s"
@@ -244,6 +247,27 @@ def test_every_kernel_on_every_target_it_declares_is_swept() -> None:
     assert set(BUILTIN_KERNELS) <= set(LINEAR_KERNELS)
     fused = {getattr(import_object(p), "name", None) for p in FUSED_MOE_KERNELS}
     assert fused | {f"{n}_experts" for n in BUILTIN_KERNELS} <= set(MOE_KERNELS)
+
+
+def test_float_minimum_weights_reach_exactly_the_kernels_that_take_them() -> None:
+    """Every (kernel, target) that takes integer weights and declares `takes_float_zeros` is swept with
+    float-minimum weights, and no other accepts them; an expert group takes them exactly when the
+    linear kernel whose layout it stacks does (the fused Marlin MoE kernel refuses them)."""
+    takers = {
+        (c.kernel, c.target)
+        for c in LINEAR_CASES
+        if c.variant.scheme == "int" and LINEAR_KERNELS[c.kernel].takes_float_zeros
+    }
+    assert {(c.kernel, c.target) for c in LINEAR_CASES if c.variant.float_zeros} == takers
+    assert ("gptq_wna16", Target.SM80) in takers
+    moe_takers = {
+        (c.kernel, c.target)
+        for c in MOE_CASES
+        if c.variant.scheme == "int" and LINEAR_KERNELS[layout_key(MOE_KERNELS[c.kernel])].takes_float_zeros
+    }
+    assert {(c.kernel, c.target) for c in MOE_CASES if c.variant.float_zeros} == moe_takers
+    assert ("gptq_wna16_experts", Target.SM80) in moe_takers
+    assert not any(name == "marlin_moe_wna16" for name, _ in moe_takers)
 
 
 # --------------------------------------------------------------------------------------------

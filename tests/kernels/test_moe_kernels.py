@@ -8,6 +8,7 @@ N % 64 == 0 and K % 128 == 0 per expert); each apply is two interpreted grouped 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
+from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, StoredTensor, Target
 from kernels.codecs.fp8 import quantize_fp8, requantize_to_max_scale
 from kernels.moe import align, fused
 from kernels.moe_base import MoEKernel, MoESpec, expert_slices, routed_sum
@@ -597,3 +598,27 @@ def test_registry_picks_the_fused_kernels() -> None:
     disabled = choose_moe_kernel(int4, Target.SM90, disabled=["marlin_wna16"])
     assert disabled.kernel.name == "gptq_wna16_experts"
     assert ("marlin_moe_wna16", "disabled by KILN_DISABLED_KERNELS") in disabled.rejected
+
+
+def test_float_minimum_experts_run_on_gptq_wna16_experts() -> None:
+    """GGUF Q4_1 / Q4_K experts (w = q * s + m): Marlin MoE stores integer zero points only and refuses
+    them; gptq_wna16_experts takes them through gptq_wna16's own layout, a `mins` tensor per expert
+    (the contract sweep runs its apply against the twin)."""
+    from kernels.registry import choose_moe_kernel
+
+    base = int_moe_spec(group_size=32, symmetric=False)
+    spec = dataclasses.replace(
+        base,
+        w13=dataclasses.replace(base.w13, float_zeros=True),
+        w2=dataclasses.replace(base.w2, float_zeros=True),
+    )
+    ok, reason = kernel("marlin_moe_wna16").can_implement(spec, Target.SM90)
+    assert not ok and "w13: marlin_wna16 takes integer zero points only" in reason
+    choice = choose_moe_kernel(spec, Target.SM90)
+    assert choice.kernel.name == "gptq_wna16_experts"
+    assert any(name == "marlin_moe_wna16" and "integer zero points" in why for name, why in choice.rejected)
+    assert choose_moe_kernel(spec, Target.CPU).kernel.name == "cpu_int4_experts"
+    stored = kernel("gptq_wna16_experts").stored_tensors(spec, Target.SM90)
+    assert stored["w13.mins"] == StoredTensor((8, H // 32, 2 * INTER), torch.bfloat16)
+    assert stored["w2.mins"] == StoredTensor((8, INTER // 32, H), torch.bfloat16)
+    assert not any(name.endswith("qzeros") for name in stored)
