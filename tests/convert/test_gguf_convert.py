@@ -58,9 +58,9 @@ def test_q4_0_and_q8_0_layers_convert_exactly_and_serve(tmp_path: Path) -> None:
     assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
 
 
-def test_float_minimum_types_run_on_cpu_int4_and_find_no_gpu_kernel(tmp_path: Path) -> None:
+def test_float_minimum_types_run_on_cpu_int4(tmp_path: Path) -> None:
     """Q4_1 / Q4_K: x = s * q + m; cpu_int4 keeps m exact in its fp32 zero offsets (the scale rounds to
-    bf16, as for every checkpoint); the GPU kernels take integer zero points only."""
+    bf16, as for every checkpoint); Marlin takes integer zero points only (GPUs: gptq_wna16, below)."""
     types = {"self_attn": Q.Q4_1, "mlp.down_proj": Q.Q4_K, "mlp": Q.Q4_1, "lm_head": Q.Q4_1}
     path, reference = _tiny(tmp_path, types)
     rows = {r.layer: r for r in plan(str(path), "cpu").rows}
@@ -68,8 +68,11 @@ def test_float_minimum_types_run_on_cpu_int4_and_find_no_gpu_kernel(tmp_path: Pa
     assert rows["model.layers.0.mlp.down_proj"].scheme == "GGUF Q4_K → int4 g32 float-min"
     assert {r.kernel for r in rows.values() if r.layer != "lm_head"} == {"cpu_int4"}
     assert rows["lm_head"].kernel == "dense"  # N = 260 rows: cpu_int4 packs multiples of 16
-    with pytest.raises(UnsupportedError, match=r"marlin_wna16: marlin_wna16 takes integer zero points only"):
-        plan(str(path), "sm80")
+    qkv = next(r for r in plan(str(path), "sm80").rows if r.layer == "model.layers.0.self_attn.qkv_proj")
+    assert qkv.kernel == "gptq_wna16"
+    assert ("marlin_wna16", "marlin_wna16 takes integer zero points only") in [
+        (k, reason.split(";")[0]) for k, reason in qkv.rejections
+    ]
     [r] = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "out")))
     assert r.manifest.verification.ok and r.manifest.verification.layers_checked == 9
     ids = torch.tensor([PROMPT])
