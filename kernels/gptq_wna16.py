@@ -22,6 +22,7 @@ untouched): with one group per K block, x @ (q s + m) = (x @ q) s + rowsum(x) m 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -125,10 +126,23 @@ class GptqWNA16Kernel(LinearKernel):
 
 
 @triton_builder
+def _codes_tile(tl: ModuleType) -> Any:
+    def codes_tile(QW, offs_k, offs_n, mask_k, mask_n, N, BITS: tl.constexpr):
+        """(BLOCK_K, BLOCK_N) unsigned codes of the packed tile: 32 // BITS codes per int32 along K."""
+        PF: tl.constexpr = 32 // BITS
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
+        return (words >> ((offs_k % PF) * BITS)[:, None]) & ((1 << BITS) - 1)
+
+    return jit(codes_tile)
+
+
+@triton_builder
 def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
     grouped_dot = grouped_dot_tile()
+    codes_tile = _codes_tile()
 
     def gptq_wna16_kernel(
         X, QW, S, QZ, GIDX, BIAS, Y,
@@ -139,7 +153,6 @@ def _kernel(tl: ModuleType) -> Any:
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
         PF: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
         offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
@@ -148,9 +161,7 @@ def _kernel(tl: ModuleType) -> Any:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(k_begin, k_end):
             x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
-            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
+            q = codes_tile(QW, offs_k, offs_n, mask_k, mask_n, N, BITS)
             acc = grouped_dot(
                 acc, x, q, S, QZ, GIDX, it, offs_k, mask_k, mask_n, offs_n, zp_col, zp_shift, N // PF, N,
                 group_size, BITS, HAS_ZP, ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
@@ -165,30 +176,52 @@ def gptq_wna16_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with the Triton kernel; x (..., K) bf16/fp16 -> (..., N) in x's dtype."""
-    x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
-    m, n, k = x2.shape[0], spec.n, spec.k
-    act_order = "g_idx" in tensors
-    group = k if spec.group_size in (-1, 0) else spec.group_size
-    cfg, per_block_scale = fit_to_groups(
-        config or default_config(m, n, k, x.device), group, act_order=act_order
-    )
+    go = _Launch.of(x, tensors, spec, config)
     scales = tensors["scales"]
     qzeros = tensors.get("qzeros", scales)  # placeholder pointer when symmetric
-    g_idx = tensors.get("g_idx", scales)
-    run = GemmLaunch.plan(x, m, n, cfg, tensors)
-    return run.launch(
+    return go.run.launch(
         _kernel(),
-        x2, tensors["qweight"], scales, qzeros, g_idx, run.bias_or(scales), run.y,
-        m, n, k, group,
-        BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=act_order,
-        PER_BLOCK_SCALE=per_block_scale,
+        go.x2, tensors["qweight"], scales, qzeros, go.g_idx, go.run.bias_or(scales), go.run.y,
+        go.m, go.n, go.k, go.group,
+        BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=go.act_order,
+        PER_BLOCK_SCALE=go.per_block_scale,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What both GEMMs of this layout launch with: the rows, the group and the fitted config."""
+
+    x2: torch.Tensor
+    m: int
+    n: int
+    k: int
+    group: int
+    act_order: bool
+    per_block_scale: bool
+    g_idx: torch.Tensor
+    run: GemmLaunch
+
+    @classmethod
+    def of(
+        cls, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None
+    ) -> _Launch:
+        x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
+        m, n, k = x2.shape[0], spec.n, spec.k
+        act_order = "g_idx" in tensors
+        group = k if spec.group_size in (-1, 0) else spec.group_size
+        cfg, per_block = fit_to_groups(
+            config or default_config(m, n, k, x.device), group, act_order=act_order
+        )
+        g_idx = tensors.get("g_idx", tensors["scales"])  # placeholder pointer without act-order
+        return cls(x2, m, n, k, group, act_order, per_block, g_idx, GemmLaunch.plan(x, m, n, cfg, tensors))
 
 
 @triton_builder
 def _float_min_kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
+    codes_tile = _codes_tile()
 
     def float_min_dot(
         acc, x, q, S, MINS, GIDX, it, offs_k, mask_k, mask_n, offs_n, N, group_size,
@@ -227,17 +260,13 @@ def _float_min_kernel(tl: ModuleType) -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BF16_INTERP: tl.constexpr,
     ):  # fmt: skip
-        PF: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
         offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(k_begin, k_end):
             x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            words = tl.load(QW + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask_kn, other=0)
-            q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK  # (BLOCK_K, BLOCK_N) codes
+            q = codes_tile(QW, offs_k, offs_n, mask_k, mask_n, N, BITS)
             acc = float_min_dot(
                 acc, x, q, S, MINS, GIDX, it, offs_k, mask_k, mask_n, offs_n, N, group_size,
                 ACT_ORDER, PER_BLOCK_SCALE, BLOCK_K, BF16_INTERP,
@@ -252,18 +281,11 @@ def gptq_wna16_float_min_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) for a float-minimum layer (w = q * s + m); x (..., K) bf16/fp16 -> (..., N)."""
-    x2 = gemm_rows(x, spec.k, "gptq_wna16").contiguous()
-    m, n, k = x2.shape[0], spec.n, spec.k
-    act_order = "g_idx" in tensors
-    group = k if spec.group_size in (-1, 0) else spec.group_size
-    cfg, per_block_scale = fit_to_groups(
-        config or default_config(m, n, k, x.device), group, act_order=act_order
-    )
+    go = _Launch.of(x, tensors, spec, config)
     scales = tensors["scales"]
-    run = GemmLaunch.plan(x, m, n, cfg, tensors)
-    return run.launch(
+    return go.run.launch(
         _float_min_kernel(),
-        x2, tensors["qweight"], scales, tensors["mins"], tensors.get("g_idx", scales), run.bias_or(scales),
-        run.y, m, n, k, group,
-        BITS=spec.bits, ACT_ORDER=act_order, PER_BLOCK_SCALE=per_block_scale,
+        go.x2, tensors["qweight"], scales, tensors["mins"], go.g_idx, go.run.bias_or(scales), go.run.y,
+        go.m, go.n, go.k, go.group,
+        BITS=spec.bits, ACT_ORDER=go.act_order, PER_BLOCK_SCALE=go.per_block_scale,
     )  # fmt: skip
