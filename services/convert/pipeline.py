@@ -27,6 +27,7 @@ from services.convert.artifact_writer import (
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import Cancelled
 from services.convert.formats.base import CheckpointFormat
+from services.convert.heap import release_freed_heap
 from services.convert.manifest import build_manifest
 from services.convert.plan import Plan
 from services.convert.units.base import RankFiles, UnitEntry
@@ -121,6 +122,7 @@ def _convert_units(
     for i, unit in enumerate(plan.units):
         tracker.stop_if_cancelled(f" at layer {unit.name}")
         entries.setdefault(unit.section, {})[unit.name] = unit.convert(files)
+        release_freed_heap()
         if (reused := staged.name_when_hashed()) is not None:
             return reused
         nbytes = sum(ckpt.info(t).nbytes for t in unit.source_tensors)
