@@ -129,14 +129,9 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf() -> Path:
-    path = smollm2.cache_root() / smollm2.BF16_DIR
-    if not smollm2.is_complete(path):
-        pytest.skip(
-            f"the bf16 SmolLM2 checkpoint is not cached at {path}; build it with "
-            "devtools.builders.smollm2.build_bf16() (or run the acceptance tests once)"
-        )
-    return path
+def smollm2_hf(smollm2_bf16: Path) -> Path:
+    """The bf16 Hugging Face checkpoint of the same model (built once per cache by the session fixture)."""
+    return smollm2_bf16
 
 
 @pytest.fixture(scope="module")
