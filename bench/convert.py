@@ -14,10 +14,9 @@ Q4_1 file and a synthetic ≈1.1 GB Q4_0 Llama of wide layers (written once, ten
 .cache/kiln-test/synthetic-1g-q4_0.gguf), each converted for cpu in a fresh child. Reported: the
 child's RSS right after its imports (the baseline), its peak RSS (VmHWM), the file size, the largest
 layer and plain tensor (in the file and as stored), (peak − baseline) / file, and the goal met or not.
-Each is converted again with malloc_trim(0) after every unit: a diagnostic that tells memory the
-allocator keeps from data still held. The peak varies from run to run (which freed blocks glibc keeps):
-each way runs --gguf-repeats times (the synthetic file --gguf-big-repeats times) and the worst run's
-figures are shown, with every run's. RSS after every progress report is saved too.
+The peak varies from run to run (which freed blocks glibc keeps): each file is converted
+--gguf-repeats times (the synthetic one --gguf-big-repeats times) and the worst run's figures are
+shown, with every run's. RSS after every progress report is saved too.
 
 --omp-threads sets OMP_NUM_THREADS for the conversion children (default: torch's own default). On a
 heavily shared 2-core machine, torch's OpenMP teams spend most of their time waiting for a core;
@@ -72,10 +71,9 @@ print(json.dumps({"seconds": time.perf_counter() - t, "maxrss_bytes": peak_rss_b
 
 # A GGUF into the cpu kernels: RSS right after imports (the baseline), every progress report's RSS,
 # peak RSS (VmHWM) when `convert` returns, then (outside the peak) each layer's and each plain tensor's
-# bytes in the file and in the artifact. argv: FILE OUT trim|plain ("trim": malloc_trim(0) after every
-# unit, a diagnostic of what the allocator keeps; not what Kiln does).
+# bytes in the file and in the artifact. argv: FILE OUT.
 GGUF_CHILD = """
-import ctypes, json, sys, time
+import json, sys, time
 from pathlib import Path
 from devtools.process_memory import peak_rss_bytes
 from kernels.registry import BUILTIN_KERNELS, builtin_kernel
@@ -87,11 +85,8 @@ def status():
     fields = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines() if ":" in ln)
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
 
-trim = ctypes.CDLL("libc.so.6").malloc_trim if sys.argv[3] == "trim" else None
 trace = []
 def progress(p):
-    if trim is not None and p.stage == "converting":
-        trim(0)
     trace.append({"stage": p.stage, "message": p.message, **status()})
 
 baseline = status()
@@ -233,26 +228,17 @@ def gguf_figures(r: dict, size: int) -> dict:
     }
 
 
-GGUF_MODES = {"plain": "", "trim": " +malloc_trim"}  # trim: the diagnostic run
-
-
 def bench_gguf(name: str, path: Path, repeats: int, writer: dict | None = None) -> dict:
-    """`name` converted for cpu `repeats` times each way, each in a fresh child: as Kiln does it, and
-    with malloc_trim(0) after every unit (how much of the peak is memory the allocator keeps rather
-    than data held). The peak varies from run to run: each way's figures are its worst run's."""
+    """`name` converted for cpu `repeats` times, each in a fresh child. The peak varies from run to run:
+    the figures are the worst run's."""
     size = path.stat().st_size
-    runs = {}
-    for mode in GGUF_MODES:
-        figures = []
-        for _ in range(repeats):
-            with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
-                figures.append(gguf_figures(_child(GGUF_CHILD, str(path), tmp, mode), size))
-        worst = max(figures, key=lambda f: f["peak_minus_baseline_bytes"])
-        runs[mode] = {
-            **worst,
-            "runs_peak_minus_baseline_bytes": [f["peak_minus_baseline_bytes"] for f in figures],
-        }
-    return {"checkpoint": name, "path": str(path), "file_bytes": size, "writer": writer, "runs": runs}
+    figures = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+            figures.append(gguf_figures(_child(GGUF_CHILD, str(path), tmp), size))
+    worst = max(figures, key=lambda f: f["peak_minus_baseline_bytes"])
+    run = {**worst, "runs_peak_minus_baseline_bytes": [f["peak_minus_baseline_bytes"] for f in figures]}
+    return {"checkpoint": name, "path": str(path), "file_bytes": size, "writer": writer, "run": run}
 
 
 MB = 1e6
@@ -276,19 +262,17 @@ def _gguf_row(name: str, size: int, f: dict) -> str:
 
 
 def _gguf_details(res: dict) -> None:
-    f = res["runs"]["plain"]
+    f = res["run"]
     kernels = ", ".join(f["kernels"])
     print(f"\n{res['checkpoint']}: {kernels}, verified={f['verified']}, {f['gb_per_s']:.3f} GB/s")
     for what in ("largest_layer", "largest_plain_tensor"):
         t = f[what]
         print(f"  {what.replace('_', ' ')}: {t['name']}: {t['source_bytes'] / MB:.1f} MB in the file, "
               f"{t['stored_bytes'] / MB:.1f} MB stored")  # fmt: skip
-    for mode in GGUF_MODES:
-        g = res["runs"][mode]
-        (first, last), (anon_first, anon_last) = g["rss_after_units_bytes"], g["anon_after_units_bytes"]
-        print(f"  {mode}: RSS after the first unit {first / MB:.0f} MB, after the last {last / MB:.0f} MB "
-              f"(anonymous {anon_first / MB:.0f} -> {anon_last / MB:.0f} MB); peak reached in the step "
-              f"ending at '{g['peak_in_step_ending_at']}'")  # fmt: skip
+    (first, last), (anon_first, anon_last) = f["rss_after_units_bytes"], f["anon_after_units_bytes"]
+    print(f"  RSS after the first unit {first / MB:.0f} MB, after the last {last / MB:.0f} MB "
+          f"(anonymous {anon_first / MB:.0f} -> {anon_last / MB:.0f} MB); peak reached in the step "
+          f"ending at '{f['peak_in_step_ending_at']}'")  # fmt: skip
     if res["writer"]:
         w = res["writer"]
         imports = (
@@ -302,12 +286,10 @@ def print_gguf(results: list[dict]) -> None:
     print("\nGGUF -> cpu: peak RSS while converting (a fresh child each; base: its RSS after imports)")
     print("goal (issue 27): peak - base <= 0.5 x file + one layer (the largest layer or plain tensor, in "
           "the file or stored, whichever is more)")  # fmt: skip
-    print("+malloc_trim: a diagnostic run, malloc_trim(0) after every unit (not what Kiln does); every "
-          "figure is the worst run's (the last column: every run's)")  # fmt: skip
+    print("every figure is the worst run's (the last column: every run's)")
     print(GGUF_ROW.format(*GGUF_COLUMNS))
     for res in results:
-        for mode, label in GGUF_MODES.items():
-            print(_gguf_row(res["checkpoint"] + label, res["file_bytes"], res["runs"][mode]))
+        print(_gguf_row(res["checkpoint"], res["file_bytes"], res["run"]))
     for res in results:
         _gguf_details(res)
 

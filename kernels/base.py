@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
@@ -23,6 +23,23 @@ from kernels.targets import Target
 
 WeightScheme = Literal["int", "fp8", "dense"]
 Fp8Strategy = Literal["tensor", "channel", "block"]
+
+# Whole-layer work (layout prep, verification) runs in blocks of output rows, so its temporaries stay
+# bounded whatever the layer's size: about ROW_BLOCK_ELEMENTS elements per block, a multiple of
+# ROW_BLOCK_MULTIPLE rows (row-blocked packs such as cpu_int4's 64/32/16-row blocks slice there).
+# 1 MB of fp32 per temporary: glibc reuses such blocks one after the other, where 4-16 MB ones made a
+# conversion's RSS grow by hundreds of MB (bench/convert.py --gguf-only)
+ROW_BLOCK_ELEMENTS = 1 << 18
+ROW_BLOCK_MULTIPLE = 64
+RowBlocks = Iterator[tuple[slice, torch.Tensor]]  # (output rows, that block of an (N, K) weight)
+
+
+def row_block_slices(n: int, k: int) -> list[slice]:
+    """Consecutive slices of N output rows, each ≈ ROW_BLOCK_ELEMENTS / K rows (a multiple of
+    ROW_BLOCK_MULTIPLE, the last shorter)."""
+    per_block = ROW_BLOCK_ELEMENTS // max(k, 1)
+    rows = max(ROW_BLOCK_MULTIPLE, per_block // ROW_BLOCK_MULTIPLE * ROW_BLOCK_MULTIPLE)
+    return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
 @dataclass(frozen=True)
@@ -137,6 +154,31 @@ class IntWeight:
         if self.group_size in (-1, 0):
             return torch.zeros(k, dtype=torch.long)
         return torch.arange(k) // self.group_size
+
+    def rows(self, rows: slice) -> IntWeight:
+        """Output channels `rows` (views: their codes, scales, zero points and minimums; no bias)."""
+
+        def cols(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, rows]
+
+        return IntWeight(
+            self.codes[rows], self.scales[:, rows], self.bits, self.group_size,
+            cols(self.zeros), self.g_idx, None, cols(self.mins),
+        )  # fmt: skip
+
+    def dequantize_to(self, dtype: torch.dtype) -> torch.Tensor:
+        """(N, K) in `dtype`: `dequantize()` rounded once to `dtype`, computed in row blocks (no
+        full-size float32 temporary)."""
+        out = torch.empty(self.codes.shape, dtype=dtype)
+        for rows, block in self.dequantized_rows():
+            out[rows] = block
+        return out
+
+    def dequantized_rows(self) -> RowBlocks:
+        """`dequantize()` in the row blocks of `row_block_slices(N, K)`."""
+        n, k = self.codes.shape
+        for rows in row_block_slices(n, k):
+            yield rows, self.rows(rows).dequantize()
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32."""
@@ -357,6 +399,14 @@ class LinearKernel(ABC):
     @abstractmethod
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Invert the layout: (N, K) float32 weight (for verification and the reference twin)."""
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        """`dequantize` in the row blocks of `row_block_slices(N, K)`: verification's input, its
+        temporaries bounded by a block. This default dequantizes the whole weight once and slices
+        it; a layout that can be cut by rows overrides it."""
+        w = self.dequantize(tensors, spec)
+        for rows in row_block_slices(spec.n, spec.k):
+            yield rows, w[rows]
 
     def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight | None:
         """The integer weight the stored tensors hold — codes, zero points and group map as stored,

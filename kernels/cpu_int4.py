@@ -41,7 +41,17 @@ from functools import cache
 
 import torch
 
-from kernels.base import CpuKernel, IntWeight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import (
+    CpuKernel,
+    IntWeight,
+    LinearSpec,
+    RowBlocks,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    row_block_slices,
+    with_bias,
+)
 from kernels.errors import LayoutError
 
 log = logging.getLogger(__name__)
@@ -225,9 +235,7 @@ class CpuInt4Kernel(CpuKernel):
         scale_bf16 = scales.to(torch.bfloat16).repeat_interleave(repeat, dim=0)  # (K // op_group, N)
         block_n, split = runtime_pack_format()
         tensors = {
-            "qweight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                codes.to(torch.int32).contiguous(), INNER_K_TILES
-            ),  # (N, K // 2) uint8
+            "qweight": pack_for_this_cpu(codes),  # (N, K // 2) uint8
             "pack_format": torch.tensor([block_n, int(split)], dtype=torch.int32),
             "scales_and_zeros": torch.stack([scale_bf16, torch.zeros_like(scale_bf16)], dim=-1).contiguous(),
         }
@@ -242,21 +250,11 @@ class CpuInt4Kernel(CpuKernel):
         return tensors
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        n, k = spec.n, spec.k
-        codes = unpack_int4(tensors["qweight"], n, k, *stored_pack_format(tensors)).float()
-        sz = tensors["scales_and_zeros"].float()  # (K // op_group, N, 2)
-        op_group = k // sz.shape[0]
-        scale = sz[..., 0].T.repeat_interleave(op_group, dim=1)  # (N, K)
-        zero = sz[..., 1].T.repeat_interleave(op_group, dim=1)
-        w = torch.addcmul(zero, codes - MIDPOINT, scale)  # (q - 8) * s is exact in fp32
-        if "zero_offsets" in tensors:
-            off = tensors["zero_offsets"].float()  # (G, N)
-            w += off.T.repeat_interleave(k // off.shape[0], dim=1)
-        if "perm" in tensors:
-            out = torch.empty_like(w)
-            out[:, tensors["perm"].long()] = w
-            w = out
-        return w
+        return _dequantize_rows(tensors, spec, slice(0, spec.n))
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        for rows in row_block_slices(spec.n, spec.k):  # whole pack blocks: multiples of 64 rows
+            yield rows, _dequantize_rows(tensors, spec, rows)
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if stored_pack_format(tensors) != runtime_pack_format():
@@ -344,6 +342,37 @@ class CpuInt4Kernel(CpuKernel):
         return run
 
 
+def pack_for_this_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in [0, 16) -> (N, K // 2) uint8 packed by this torch build, in row blocks of whole
+    pack blocks (the int32 copy the op takes stays one block's size, not 4 bytes per weight)."""
+    n, k = codes.shape
+    out = torch.empty(n, k // 2, dtype=torch.uint8)
+    for rows in row_block_slices(n, k):
+        block = codes[rows].to(torch.int32).contiguous()
+        out[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(block, INNER_K_TILES).view(-1, k // 2)
+    return out
+
+
+def _dequantize_rows(tensors: dict[str, torch.Tensor], spec: LinearSpec, rows: slice) -> torch.Tensor:
+    """(rows, K) float32 of the stored layer; `rows` starts at a multiple of the pack's block."""
+    start, stop, _ = rows.indices(spec.n)
+    k = spec.k
+    codes = unpack_int4(tensors["qweight"][start:stop], stop - start, k, *stored_pack_format(tensors))
+    sz = tensors["scales_and_zeros"][:, start:stop].float()  # (K // op_group, rows, 2)
+    op_group = k // sz.shape[0]
+    scale = sz[..., 0].T.repeat_interleave(op_group, dim=1)  # (rows, K)
+    zero = sz[..., 1].T.repeat_interleave(op_group, dim=1)
+    w = torch.addcmul(zero, codes.float() - MIDPOINT, scale)  # (q - 8) * s is exact in fp32
+    if "zero_offsets" in tensors:
+        off = tensors["zero_offsets"][:, start:stop].float()  # (G, rows)
+        w += off.T.repeat_interleave(k // off.shape[0], dim=1)
+    if "perm" in tensors:
+        out = torch.empty_like(w)
+        out[:, tensors["perm"].long()] = w
+        w = out
+    return w
+
+
 def _repack_for_this_cpu(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> None:
     """The artifact was packed by a torch build with another CPU layout: repack once, in place."""
     stored = stored_pack_format(tensors)
@@ -355,7 +384,5 @@ def _repack_for_this_cpu(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> 
         stored,
         here,
     )
-    tensors["qweight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        codes.to(torch.int32), INNER_K_TILES
-    )
+    tensors["qweight"] = pack_for_this_cpu(codes)
     tensors["pack_format"] = torch.tensor([here[0], int(here[1])], dtype=torch.int32)

@@ -32,7 +32,17 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.base import CpuKernel, IntWeight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import (
+    CpuKernel,
+    IntWeight,
+    LinearSpec,
+    RowBlocks,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    row_block_slices,
+    with_bias,
+)
 from kernels.codecs.int8 import symmetric_channelwise_int8
 
 DEQUANT_MIN_M = 32  # from this many rows on, one bf16 GEMM on the widened weight beats the op
@@ -87,6 +97,10 @@ class CpuInt8Kernel(CpuKernel):
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return tensors["qweight"].float() * tensors["scales"].float()[:, None]
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        for rows in row_block_slices(spec.n, spec.k):
+            yield rows, tensors["qweight"][rows].float() * tensors["scales"][rows].float()[:, None]
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return self._gemm(x, op_aligned(tensors["qweight"]), tensors, spec)

@@ -28,9 +28,11 @@ from kernels.base import (
     IntWeight,
     LinearKernel,
     LinearSpec,
+    RowBlocks,
     SourceWeight,
     StoredTensor,
     Target,
+    row_block_slices,
     with_bias,
 )
 from kernels.errors import LayoutError
@@ -75,7 +77,12 @@ class DenseKernel(LinearKernel):
                 f"{self.name}: layer {spec.name} has scheme {spec.scheme} but got {type(weight).__name__}"
             )
         dtype = storage_dtype(spec, target)
-        w = weight.weight if isinstance(weight, DenseWeight) else weight.dequantize()
+        if isinstance(weight, DenseWeight):
+            w = weight.weight
+        elif isinstance(weight, IntWeight):
+            w = weight.dequantize_to(dtype)  # row blocks: no full-size fp32 temporary
+        else:
+            w = weight.dequantize()
         if tuple(w.shape) != (spec.n, spec.k):
             raise LayoutError(
                 f"{self.name}: layer {spec.name} weight has shape {tuple(w.shape)}, spec says "
@@ -88,6 +95,11 @@ class DenseKernel(LinearKernel):
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return tensors["weight"].float()
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        w = tensors["weight"]
+        for rows in row_block_slices(spec.n, spec.k):
+            yield rows, w[rows].float()
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         w = tensors["weight"]

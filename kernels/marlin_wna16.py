@@ -29,7 +29,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.base import (
+    IntWeight,
+    LinearKernel,
+    LinearSpec,
+    RowBlocks,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    with_bias,
+)
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
@@ -124,6 +133,9 @@ class MarlinWNA16Kernel(LinearKernel):
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        return self.stored_int_weight(tensors, spec).dequantized_rows()
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):

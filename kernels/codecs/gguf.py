@@ -126,18 +126,21 @@ def gguf_row_bytes(ggml_type: int, k: int, name: str) -> int:
     return k // t.block_size * t.type_size
 
 
-def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> torch.Tensor:
+def dequantize_gguf(
+    raw: torch.Tensor, ggml_type: int, k: int, name: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """uint8 (..., K / block_size * type_size) tensor data -> (..., K) float32.
 
     Equals `gguf.quants.dequantize` bit for bit (float32 results; NaN payloads aside). Row blocks run
-    on threads (kernels/codecs/word_ops.py `for_each_block`).
+    on threads (kernels/codecs/word_ops.py `for_each_block`). Another `dtype`: each float32 value
+    rounded once to it, block by block (no full-size float32 temporary).
     """
     if int(ggml_type) not in DECODED_TYPES:
         raise UnsupportedGgufType(name, ggml_type, DECODED_TYPES)
     t = GGML_TYPES[int(ggml_type)]
     rows2d = _rows(raw, ggml_type, k, name)  # (R, row_bytes) uint8
     decode = _DECODERS[t.id]
-    out = torch.empty(rows2d.shape[0], k, dtype=torch.float32)
+    out = torch.empty(rows2d.shape[0], k, dtype=dtype)
 
     def block(blk: slice) -> None:
         src = rows2d[blk]
@@ -147,8 +150,8 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> tor
             blocks = src.reshape(-1, t.type_size)  # (R * K / bs, type_size)
             out[blk] = decode(blocks).view(src.shape[0], k)
 
-    with serial_ops():
-        for_each_block(rows2d.shape[0], rows2d.shape[1], block)
+    with serial_ops():  # blocks sized by their float32 output: the temporaries stay cache-sized
+        for_each_block(rows2d.shape[0], k * 4, block)
     return out.view(*raw.shape[:-1], k)
 
 
@@ -169,18 +172,28 @@ def decode_gguf_int(raw: torch.Tensor, ggml_type: int, k: int, name: str) -> Int
     rows2d = _rows(raw, ggml_type, k, name)
     group = Q6_K_GROUP_SIZE if t.id == Q6_K else INT_GROUP_SIZE
     n, g = rows2d.shape[0], k // group
-    blocks = rows2d.reshape(n * (k // t.block_size), t.type_size)  # (M, type_size), M blocks
-    codes, scales, mins = _INT_DECODERS[t.id](blocks)  # (M, block), (M, block / group) x2
+    decode = _INT_DECODERS[t.id]
+    _, first_scales, first_mins = decode(rows2d[:1].reshape(-1, t.type_size))  # the fields' dtypes
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, g, dtype=first_scales.dtype)  # (N, G) here, (G, N) in the IntWeight
+    mins = None if first_mins is None else torch.empty(n, g, dtype=first_mins.dtype)
 
-    def per_group(v: torch.Tensor) -> torch.Tensor:
-        return v.reshape(n, g).T.contiguous()  # (G, N)
+    def block(blk: slice) -> None:
+        b_codes, b_scales, b_mins = decode(rows2d[blk].reshape(-1, t.type_size))  # (M, block), (M, groups)
+        rows = b_codes.numel() // k
+        codes[blk] = b_codes.reshape(rows, k)
+        scales[blk] = b_scales.reshape(rows, g)
+        if mins is not None and b_mins is not None:
+            mins[blk] = b_mins.reshape(rows, g)
 
+    with serial_ops():  # blocks sized by their output (a byte per code, float scales)
+        for_each_block(n, k * 2, block)
     return IntWeight(
-        codes=codes.reshape(n, k),
-        scales=per_group(scales),
+        codes=codes,
+        scales=scales.T.contiguous(),
         bits=INT_BITS[t.id],
         group_size=group,
-        mins=None if mins is None else per_group(mins),
+        mins=None if mins is None else mins.T.contiguous(),
     )
 
 

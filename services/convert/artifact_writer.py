@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,18 @@ class StagedArtifact:
     def add_to_every_rank(self, name: str, tensor: torch.Tensor) -> None:
         for w in self.rank_writers:
             w.add(name, tensor)
+
+    def add_rows_to_every_rank(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], blocks: Iterable[torch.Tensor]
+    ) -> None:
+        """A tensor arriving as its row blocks, in order (never whole in memory)."""
+        for w in self.rank_writers:
+            w.reserve(name, dtype, shape)
+        row = 0
+        for block in blocks:
+            for w in self.rank_writers:
+                w.write_slices(name, row, block)
+            row += block.shape[0]
 
     def write_files(self) -> tuple[str, list[FileEntry]]:
         """Finish the rank files and stage them with config.json and the source's side files (the

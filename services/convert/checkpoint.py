@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from services.convert.errors import ConversionError, NotACheckpointError, UnsupportedError
@@ -124,15 +125,7 @@ class Checkpoint:
                     path = self.source.local_path(info.file)
                     assert path is not None
                     f = handles[info.file] = path.open("rb", buffering=0)
-                got = 0
-                while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
-                    n = os.preadv(f.fileno(), [view[off + got : off + info.nbytes]], info.start + got)
-                    if n <= 0:
-                        raise ConversionError(
-                            f"{self.uri}/{info.file}: tensor {info.name}: read {got} of {info.nbytes} "
-                            "bytes (file truncated while converting?)"
-                        )
-                    got += n
+                self._pread(f, view[off : off + info.nbytes], info, info.start)
         finally:
             for f in handles.values():
                 f.close()
@@ -140,6 +133,48 @@ class Checkpoint:
             info.name: buf[off : off + info.nbytes].view(DTYPES[info.dtype]).reshape(info.shape)
             for info, off in zip(ordered, offsets, strict=True)
         }
+
+    def _pread(self, f: BinaryIO, view: np.ndarray, info: TensorInfo, at: int) -> None:
+        """len(view) bytes of tensor `info`'s file from offset `at` into `view`, with positioned reads."""
+        got = 0
+        while got < len(view):  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(f.fileno(), [view[got:]], at + got)
+            if n <= 0:
+                raise ConversionError(
+                    f"{self.uri}/{info.file}: tensor {info.name}: read {got} of {len(view)} "
+                    "bytes (file truncated while converting?)"
+                )
+            got += n
+
+    def read_raw(
+        self, name: str, start: int = 0, end: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Bytes [start, end) of a tensor's data (all of it by default) as a uint8 tensor — into the
+        front of `out` when given (a buffer reused across reads): a local file read straight into it,
+        an S3 source with one ranged GET."""
+        info = self.info(name)
+        end = info.nbytes if end is None else end
+        if not 0 <= start <= end <= info.nbytes:
+            raise ConversionError(f"tensor {name}: bytes [{start}, {end}) are outside its {info.nbytes}")
+        buf = torch.empty(end - start, dtype=torch.uint8) if out is None else out[: end - start]
+        path = self.source.local_path(info.file)
+        if path is None:
+            data = self.source.read_range(info.file, info.start + start, info.start + end)
+            if len(data) != end - start:
+                raise ConversionError(
+                    f"{self.uri}/{info.file}: tensor {name}: got {len(data)} of {end - start} bytes"
+                )
+            buf.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            return buf
+        with path.open("rb", buffering=0) as f:
+            self._pread(f, buf.numpy(), info, info.start + start)
+        return buf
+
+    def row_blocks(self, name: str) -> tuple[torch.dtype, tuple[int, ...], Iterator[torch.Tensor]] | None:
+        """A tensor this checkpoint makes rather than reads (a dequantized GGUF embedding) as (dtype,
+        shape, its row blocks in order), so that it can be written without being whole in memory;
+        None for a tensor read as stored (`read_one`)."""
+        return None
 
     def read_one(self, name: str) -> torch.Tensor:
         return self.read([name])[name]

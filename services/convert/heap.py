@@ -1,9 +1,12 @@
-"""Hand freed heap back to the OS between units (glibc only; elsewhere a no-op).
+"""Hand freed heap back to the OS between units and between a unit's phases (glibc only; elsewhere a
+no-op).
 
 A conversion frees multi-MB tensors unit after unit; glibc raises its mmap threshold as they are
-freed, so later ones come from heap arenas it keeps: RSS then grows by each layer's temporaries
-although nothing is held (measured with bench/convert.py --gguf-only: SmolLM2's GGUF peaked 848 MB
-above its start without this, 340 MB with it)."""
+freed, so later ones come from heap arenas it keeps (one per thread that decoded or packed a block):
+RSS then grows by each layer's temporaries although nothing is held (measured with
+bench/convert.py --gguf-only: SmolLM2's GGUF peaked 848 MB above its start without this, 340 MB with
+it after every unit). Trimming after reading + decoding and after the layout prep keeps one phase's
+leftovers out of the next one's peak."""
 
 from __future__ import annotations
 

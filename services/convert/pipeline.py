@@ -74,10 +74,15 @@ class _Tracker:
         self.report(Progress(stage, done, self.total, self.bytes_done, self.bytes_total, message))
 
 
+def _other_dtype(dtype: torch.dtype, plan: Plan) -> torch.dtype:
+    """What a plain tensor (embedding, norm) is stored as: fp16 for a float16 plan (sm75 has no bf16)."""
+    if plan.act_dtype == "float16" and dtype in (torch.bfloat16, torch.float32):
+        return torch.float16
+    return dtype
+
+
 def _other_tensor(t: torch.Tensor, plan: Plan) -> torch.Tensor:
-    if plan.act_dtype == "float16" and t.dtype in (torch.bfloat16, torch.float32):
-        return t.to(torch.float16)  # sm75 has no bf16
-    return t
+    return t.to(_other_dtype(t.dtype, plan))
 
 
 def convert_plan(
@@ -129,7 +134,12 @@ def _convert_units(
         tracker.done("converting", i + 1, f"{plan.target.value}: {unit.name}", nbytes)
     tracker.stop_if_cancelled("")
     for name in plan.other_tensors:
-        staged.add_to_every_rank(name, _other_tensor(ckpt.read_one(name), plan))
+        if (made := ckpt.row_blocks(name)) is not None:
+            dtype, shape, blocks = made
+            stored = (_other_tensor(b, plan) for b in blocks)
+            staged.add_rows_to_every_rank(name, _other_dtype(dtype, plan), shape, stored)
+        else:
+            staged.add_to_every_rank(name, _other_tensor(ckpt.read_one(name), plan))
         tracker.bytes_done += ckpt.info(name).nbytes
     tracker.done("writing", tracker.total, "rank files")
     return staged.name_when_hashed(wait=True)

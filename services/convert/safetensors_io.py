@@ -33,7 +33,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 COPY_CHUNK = 8 << 20
 DEFAULT_HEADER_RESERVE = 64 << 10
-MAX_PENDING_BYTES = 256 << 20  # queued for the writer thread, per file
+MAX_PENDING_BYTES = 64 << 20  # queued for the writer thread, per file (held in memory until written)
 
 
 @dataclass(frozen=True)
@@ -173,21 +173,28 @@ class StreamingSafetensorsWriter:
 
     def write_slice(self, name: str, index: int, tensor: torch.Tensor) -> None:
         """Write slice `index` of a tensor made room for with `reserve`."""
+        self.write_slices(name, index, tensor[None])
+
+    def write_slices(self, name: str, first: int, tensor: torch.Tensor) -> None:
+        """Write slices first, first + 1, ... (`tensor`'s first dimension) of a tensor made room for
+        with `reserve`, in one write."""
         shape, slice_bytes, missing = self._reserved[name]
         dtype, _, off, _, in_tail = self._entries[name]
         t = tensor.detach().contiguous().cpu()
-        if tuple(t.shape) != shape or DTYPE_NAMES.get(t.dtype) != dtype or index not in missing:
+        indices = range(first, first + (t.shape[0] if t.dim() else 0))
+        unwritten = all(i in missing for i in indices)
+        if tuple(t.shape[1:]) != shape or DTYPE_NAMES.get(t.dtype) != dtype or not unwritten:
             raise ConversionError(
-                f"tensor {name}: slice {index} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
-                + ("" if index in missing else " (written twice or out of range)")
+                f"tensor {name}: slices from {first} are {tuple(t.shape)} {t.dtype}, expected (n, *{shape}) "
+                f"{dtype}" + ("" if unwritten else " (written twice or out of range)")
             )
-        missing.discard(index)
+        missing.difference_update(indices)
         out = self._tail if in_tail else self._f
         assert out is not None
-        pos = (0 if in_tail else self._reserve) + off + index * slice_bytes
+        pos = (0 if in_tail else self._reserve) + off + first * slice_bytes
         data = t.reshape(-1).view(torch.uint8).numpy()
-        self._pending.append((self._pool.submit(os.pwrite, out.fileno(), data, pos), slice_bytes))
-        self._pending_bytes += slice_bytes
+        self._pending.append((self._pool.submit(os.pwrite, out.fileno(), data, pos), data.nbytes))
+        self._pending_bytes += data.nbytes
         while self._pending_bytes > self._max_pending:
             self._wait_one()
 

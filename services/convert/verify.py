@@ -1,5 +1,6 @@
 """Verification: every converted layer is dequantized from the artifact's own tensors (through its
-kernel's `dequantize`) and compared with the source's canonical weights.
+kernel's `dequantized_rows`) and compared with the source's canonical weights, one block of output
+rows at a time (`kernels.base.row_block_slices`): the temporaries are a block's, not the layer's.
 
 Bounds (named, documented):
 * integer layers: identical to the canonical dequantization (scales as stored, or cast to the
@@ -21,11 +22,11 @@ Bounds (named, documented):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
+from kernels.base import DenseWeight, Fp8Weight, IntWeight, RowBlocks, SourceWeight, row_block_slices
 from runtime.artifact.manifest import LayerVerification
 
 INT_STEP_BOUND = 0.25
@@ -34,19 +35,15 @@ MIN_ROUNDING_REL = 2.0**-8  # a float minimum rounded to bf16 (2^-9 relative) wi
 FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding slack
 DENSE_CAST_REL_BOUND = 2.0**-8
 _TINY = 1e-30
-CHUNK_ELEMENTS = 1 << 24  # elements compared per step: temporaries stay bounded (64 MB of fp32)
 
 
-def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(diff.max() / ref.abs().max().clamp_min(_TINY)) if diff.numel() else 0.0
+def _exact() -> LayerVerification:
+    return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
 
 
-def references(source: SourceWeight, act_dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """(N, K) float32 weights the artifact may reproduce exactly, computed lazily: integer scales as
-    stored in the checkpoint, then cast to the activation dtype (what vLLM's loader does)."""
-    yield source.dequantize()
-    if isinstance(source, IntWeight) and source.scales.dtype != act_dtype:
-        yield dataclasses.replace(source, scales=source.scales.to(act_dtype), bias=None).dequantize()
+def _mismatch() -> LayerVerification:
+    """The stored weight's shape is not the source's."""
+    return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
 
 
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
@@ -59,20 +56,43 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 def compare_float(
     got: torch.Tensor, ref: torch.Tensor, bound: float, *, try_exact: bool
 ) -> LayerVerification:
-    """`got` (any float dtype) against the float reference `ref`, in row chunks cast to fp32: "exact"
+    """`got` (any float dtype) against the float reference `ref`, in row blocks cast to fp32: "exact"
     when every element is equal, else max |got - ref| / max |ref| against `bound` (NaN never passes)."""
     if got.shape != ref.shape:
-        return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
+        return _mismatch()
     if got.numel() == 0:
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+        return _exact()
     g2 = got.reshape(got.shape[0], -1) if got.dim() > 1 else got.reshape(-1, 1)
     r2 = ref.reshape(g2.shape)
-    rows = max(1, CHUNK_ELEMENTS // max(1, g2.shape[1]))
+    return _compare_float_rows(_blocks_of(g2), lambda rows: r2[rows], g2.shape[0], bound, try_exact=try_exact)
+
+
+def _blocks_of(w: torch.Tensor) -> RowBlocks:
+    """A whole (N, K) tensor as row blocks."""
+    n, k = w.shape[0], (w[0].numel() if w.shape[0] else 0)
+    for rows in row_block_slices(n, k):
+        yield rows, w[rows]
+
+
+def _compare_float_rows(
+    blocks: Iterable[tuple[slice, torch.Tensor]],
+    ref_rows: Callable[[slice], torch.Tensor],
+    n: int,
+    bound: float,
+    *,
+    try_exact: bool,
+) -> LayerVerification:
+    """`compare_float` on row blocks of `got` against the same rows of the reference."""
     exact = try_exact
     diff_max = torch.zeros((), dtype=torch.float32)
-    for i in range(0, g2.shape[0], rows):
-        g = g2[i : i + rows]
-        r = r2[i : i + rows]
+    ref_max = torch.zeros((), dtype=torch.float32)
+    covered = 0
+    for rows, g in blocks:
+        r = ref_rows(rows)
+        if g.shape != r.shape:
+            return _mismatch()
+        covered += g.shape[0]
+        ref_max = torch.maximum(ref_max, _abs_max(r))
         if g.dtype != torch.float32 and r.dtype != torch.float32:
             g = g.float()
         if exact and torch.equal(g, r if r.dtype == g.dtype else r.to(g.dtype)):
@@ -81,9 +101,10 @@ def compare_float(
         diff = r.to(torch.float32, copy=True)  # never the reference itself: it is modified in place
         diff.sub_(g)
         diff_max = torch.maximum(diff_max, _abs_max(diff))
+    if covered != n:
+        return _mismatch()
     if exact:
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
-    ref_max = _abs_max(ref)
+        return _exact()
     value = float(diff_max / ref_max.clamp_min(_TINY))
     if value != value:  # NaN (a non-finite weight) never passes
         value = float("inf")
@@ -107,9 +128,9 @@ def compare_dense_stored(stored: torch.Tensor, source: DenseWeight) -> LayerVeri
     non-finite source value is then carried as is, like a plain copy)."""
     w = source.weight
     if _same_view(stored, w):  # the kernel stores the source tensor itself: its bytes are written as is
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+        return _exact()
     if stored.dtype == w.dtype and stored.shape == w.shape and torch.equal(stored, w):  # NaN never equal
-        return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+        return _exact()
     return compare_float(stored, source.weight, DENSE_CAST_REL_BOUND, try_exact=True)
 
 
@@ -133,7 +154,7 @@ def compare_int_stored(
         return None
     if (stored.mins is None) != (source.mins is None):
         return None
-    # minimums as in the checkpoint only (no act-dtype cast is "exact" for them: `references`)
+    # minimums as in the checkpoint only (no act-dtype cast is "exact" for them: `_compare_int_rows`)
     if stored.mins is not None and not torch.equal(stored.mins.float(), source.mins.float()):  # type: ignore[union-attr]
         return None
     if not torch.equal(stored.group_index(), source.group_index()):
@@ -141,7 +162,7 @@ def compare_int_stored(
     scales = (source.scales, source.scales.to(act_dtype))
     if not any(s.dtype == stored.scales.dtype and torch.equal(s, stored.scales) for s in scales):
         return None
-    return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
+    return _exact()
 
 
 def rounding_allowance(source: IntWeight, gi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -160,35 +181,67 @@ def rounding_allowance(source: IntWeight, gi: torch.Tensor, step: torch.Tensor) 
 
 
 def compare(
-    got: torch.Tensor, source: SourceWeight, act_dtype: torch.dtype, *, online_fp8: bool = False
+    got: torch.Tensor | Iterable[tuple[slice, torch.Tensor]],
+    source: SourceWeight,
+    act_dtype: torch.dtype,
+    *,
+    online_fp8: bool = False,
 ) -> LayerVerification:
+    """The stored layer dequantized — an (N, K) tensor or its row blocks
+    (`LinearKernel.dequantized_rows`) — against the source, one row block at a time (the
+    temporaries stay a block's size, whatever the layer's)."""
+    blocks = _blocks_of(got) if isinstance(got, torch.Tensor) else got
     if isinstance(source, DenseWeight):
         bound = FP8_REL_BOUND if online_fp8 else DENSE_CAST_REL_BOUND
-        return compare_float(got, source.weight, bound, try_exact=not online_fp8)
-    refs: list[torch.Tensor] = []
-    got = got.float()
-    for r in references(source, act_dtype):
-        if got.shape != r.shape:
-            return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
-        if torch.equal(got, r):
-            return LayerVerification(ok=True, metric="exact", value=0.0, bound=0.0)
-        refs.append(r)
-    ref = refs[0]
+        w = source.weight
+        return _compare_float_rows(blocks, lambda rows: w[rows], w.shape[0], bound, try_exact=not online_fp8)
     if isinstance(source, IntWeight) and not online_fp8:
-        gi = source.group_index()
-        step = source.scales.float()[gi].T.abs().clamp_min(_TINY)
-        rounding = rounding_allowance(source, gi, step)
-        value = min(float(((got - r).abs() / step - rounding).max()) for r in refs)
-        if value < 0:  # every element within its allowance (a float minimum's is > 0 everywhere)
-            value = 0.0
-        return LayerVerification(
-            ok=value <= INT_STEP_BOUND, metric="max_step_err", value=value, bound=INT_STEP_BOUND
-        )
+        return _compare_int_rows(blocks, source, act_dtype)
+    ref = source.dequantize()
     bound = FP8_REL_BOUND if (online_fp8 or isinstance(source, Fp8Weight)) else DENSE_CAST_REL_BOUND
-    value = _rel((got - ref).abs(), ref)
-    if value != value:  # NaN (a non-finite weight) never passes
+    return _compare_float_rows(blocks, lambda rows: ref[rows], ref.shape[0], bound, try_exact=True)
+
+
+def _compare_int_rows(
+    blocks: Iterable[tuple[slice, torch.Tensor]], source: IntWeight, act_dtype: torch.dtype
+) -> LayerVerification:
+    """Row blocks of a dequantized integer layer against the source's dequantization, with its scales
+    as stored in the checkpoint or cast to the activation dtype (what vLLM's loader does): "exact"
+    when every block equals one of the two, else the smaller of the two worst excesses, in steps."""
+    refs = [source]
+    if source.scales.dtype != act_dtype:
+        refs.append(dataclasses.replace(source, scales=source.scales.to(act_dtype), bias=None))
+    exact = [True] * len(refs)
+    worst = [float("-inf")] * len(refs)
+    gi = source.group_index()
+    covered = 0
+    for rows, g in blocks:
+        g = g.float()
+        allowance: tuple[torch.Tensor, torch.Tensor] | None = None
+        for i, src in enumerate(refs):
+            r = src.rows(rows).dequantize()
+            if g.shape != r.shape:
+                return _mismatch()
+            if torch.equal(g, r):
+                continue
+            exact[i] = False
+            if allowance is None:
+                part = source.rows(rows)
+                step = part.scales.float()[gi].T.abs().clamp_min(_TINY)  # (rows, K)
+                allowance = step, rounding_allowance(part, gi, step)
+            step, rounding = allowance
+            worst[i] = max(worst[i], float(((g - r).abs_() / step - rounding).max()))
+        covered += g.shape[0]
+    if covered != source.codes.shape[0]:
+        return _mismatch()
+    if any(exact):
+        return _exact()
+    value = max(0.0, min(worst))  # every element within its allowance: 0 (a float minimum's is > 0)
+    if value != value:
         value = float("inf")
-    return LayerVerification(ok=value <= bound, metric="max_rel_err", value=value, bound=bound)
+    return LayerVerification(
+        ok=value <= INT_STEP_BOUND, metric="max_step_err", value=value, bound=INT_STEP_BOUND
+    )
 
 
 def worst_of(a: LayerVerification | None, b: LayerVerification) -> LayerVerification:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from safetensors.torch import load_file
 
 from devtools.builders import smollm2
 from devtools.builders.gguf_files import VOCAB_SIZE, write_llama_gguf
@@ -22,6 +25,7 @@ from devtools.eval import generate_greedy, runtime_logits_fn
 from kernels.errors import UnsupportedError
 from runtime.loader import load_model
 from services.convert.errors import ConversionError
+from services.convert.gguf import checkpoint as gguf_checkpoint
 from services.convert.library import ConversionRequest, convert, plan
 
 NATIVE = {"self_attn": Q.Q4_0, "mlp.gate_proj": Q.Q4_0, "mlp.up_proj": Q.Q4_0, "mlp.down_proj": Q.Q8_0,
@@ -56,6 +60,23 @@ def test_q4_0_and_q8_0_layers_convert_exactly_and_serve(tmp_path: Path) -> None:
         got = runtime_logits_fn(loaded)(ids)[0].float().log_softmax(-1)
         want = reference(ids).logits[0].float().log_softmax(-1)
     assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+
+
+def test_the_quantized_embedding_is_written_a_row_block_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Q8_0 embedding is read, dequantized and written a row block at a time (its GGUF bytes, a
+    float32 copy or the bf16 table are never whole in memory); what every TP rank stores is gguf's own
+    dequantization rounded once to bf16."""
+    monkeypatch.setattr(gguf_checkpoint, "PLAIN_READ_BYTES", 7 * 34 * 2)  # 7 rows of K = 64 a block
+    path, _ = _tiny(tmp_path, NATIVE)
+    [embd] = [t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight"]
+    want = torch.from_numpy(quants.dequantize(embd.data, embd.tensor_type)).bfloat16()
+    [r] = convert(ConversionRequest(str(path), ["cpu"], tp=2, out=str(tmp_path / "out")))
+    files = sorted(Path(r.uri.removeprefix("file://")).glob("*.safetensors"))
+    assert len(files) == 2
+    for f in files:
+        assert torch.equal(load_file(f)["model.embed_tokens.weight"], want), f.name
 
 
 def test_float_minimum_types_run_on_cpu_int4(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ with copy-free fusing, and verification shortcuts that still catch one wrong val
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -17,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.base import DenseWeight
+from kernels import base as kernel_base
+from kernels.base import DenseWeight, IntWeight
 from kernels.dense import DenseKernel
 from services.convert.checkpoint import Checkpoint, open_checkpoint
 from services.convert.errors import ConversionError
@@ -131,6 +133,32 @@ def test_dense_verification_catches_one_wrong_value() -> None:
     assert not compare_dense_stored(nan.clone(), DenseWeight(nan)).ok  # a NaN never passes a comparison
     assert not compare(_one_off(w.float(), 1.0), src, torch.bfloat16, online_fp8=True).ok
     assert compare(w.float(), src, torch.bfloat16, online_fp8=True).value <= FP8_REL_BOUND
+
+
+@pytest.mark.parametrize("block_elements", [1, 1 << 22], ids=["64-row blocks", "one block"])
+def test_integer_verification_in_row_blocks(block_elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verification compares one row block at a time; the verdicts are those of the whole layer: exact
+    (scales as stored or cast to the activation dtype), within the scale-rounding allowance, one wrong
+    code in the last block (a whole step), and a stored weight with rows missing."""
+    monkeypatch.setattr(kernel_base, "ROW_BLOCK_ELEMENTS", block_elements)
+    gen = torch.Generator().manual_seed(9)
+    w = IntWeight(
+        codes=torch.randint(0, 16, (200, 64), generator=gen, dtype=torch.uint8),
+        scales=(torch.rand(2, 200, generator=gen) + 0.5).half(),
+        bits=4,
+        group_size=32,
+    )
+    assert len(kernel_base.row_block_slices(200, 64)) == (4 if block_elements == 1 else 1)
+    assert compare(w.dequantize(), w, torch.bfloat16).metric == "exact"
+    rounded = dataclasses.replace(w, scales=w.scales.bfloat16()).dequantize()
+    assert compare(rounded, w, torch.bfloat16).metric == "exact"  # the activation-dtype reference
+    within = compare(rounded, w, torch.float32)  # fp16 -> bf16 scales: inside the rounding allowance
+    assert within.ok and within.metric == "max_step_err" and within.value == 0.0
+    wrong = w.dequantize()
+    wrong[199, 40] += float(w.scales[1, 199])
+    off = compare(wrong, w, torch.bfloat16)
+    assert not off.ok and off.value >= 0.75
+    assert not compare(w.dequantize()[:150], w, torch.bfloat16).ok
 
 
 def test_a_wrong_dense_value_fails_the_conversion(

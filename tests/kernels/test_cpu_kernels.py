@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import base as kernel_base
 from kernels.base import DenseWeight, Fp8Weight, IntWeight, LinearSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.codecs.int8 import MIN_AMAX, quantize_per_token_int8
@@ -21,6 +22,7 @@ from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import (
     PACK_FORMATS,
     CpuInt4Kernel,
+    pack_for_this_cpu,
     pack_int4,
     runtime_pack_format,
     unpack_int4,
@@ -219,6 +221,18 @@ def test_int4_pure_torch_pack_matches_torch_op(n: int, k: int) -> None:
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     op = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     assert torch.equal(pack_int4(codes, *runtime_pack_format()), op)
+
+
+def test_int4_pack_in_row_blocks_equals_one_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_int4 packs a layer in row blocks of whole pack blocks (64-row multiples), so the int32 copy
+    the op takes stays a block's size: the bytes are the single op call's, tail block included."""
+    codes = torch.randint(
+        0, 16, (3 * 64 + 48, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(4)
+    )
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    monkeypatch.setattr(kernel_base, "ROW_BLOCK_ELEMENTS", 1)  # 64-row blocks: four of them
+    assert len(kernel_base.row_block_slices(240, 96)) == 4
+    assert torch.equal(pack_for_this_cpu(codes), whole.view(240, 48))
 
 
 OTHER_CPU_SCRIPT = textwrap.dedent(

@@ -9,6 +9,7 @@ import torch
 from gguf import quants
 
 from kernels.base import IntWeight
+from kernels.codecs import word_ops
 from kernels.codecs.gguf import (
     DECODED_TYPES,
     GGML_TYPES,
@@ -205,6 +206,24 @@ def test_int_decode_is_exact_and_round_trips(qtype: T, n_blocks: int) -> None:
     assert int(w.codes.max()) < (1 << w.bits)
     assert torch.equal(w.dequantize(), dequantize_gguf(raw_t, int(qtype), k, "w"))
     assert torch.equal(encode_gguf_int(w, int(qtype)), raw_t)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_decoding_in_row_blocks_equals_one_pass(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both decoders write their output a row block at a time (on threads): a tensor cut into many
+    blocks decodes to the same values as in one pass, and a bf16 dequantization is the float32 one
+    rounded once (no full-size float32 temporary)."""
+    raw = torch.from_numpy(_raw(np.random.default_rng([int(qtype), 5]), qtype, 37, 2))
+    k = 2 * GGML_TYPES[int(qtype)].block_size
+    whole, whole_int = dequantize_gguf(raw, int(qtype), k, "w"), decode_gguf_int(raw, int(qtype), k, "w")
+    monkeypatch.setattr(word_ops, "BLOCK_BYTES", 3 * raw.shape[1])  # 3 rows a block: 13 blocks
+    assert torch.equal(dequantize_gguf(raw, int(qtype), k, "w"), whole)
+    assert torch.equal(dequantize_gguf(raw, int(qtype), k, "w", torch.bfloat16), whole.bfloat16())
+    blocked = decode_gguf_int(raw, int(qtype), k, "w")
+    for field in ("codes", "scales", "mins"):
+        a, b = getattr(blocked, field), getattr(whole_int, field)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), field
+    assert torch.equal(blocked.dequantize(), whole)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K], ids=lambda q: q.name)

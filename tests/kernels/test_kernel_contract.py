@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import base as kernel_base
 from kernels.base import Fp8Weight, IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
 from kernels.moe_base import MoEKernel, MoESpec
 from kernels.registry import BUILTIN_KERNELS, FUSED_MOE_KERNELS, import_object
@@ -276,17 +277,23 @@ def test_float_minimum_weights_reach_exactly_the_kernels_that_take_them() -> Non
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: c.id)
-def test_linear_layout_contract(case: LinearCase) -> None:
+def test_linear_layout_contract(case: LinearCase, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel, target = LINEAR_KERNELS[case.kernel], case.target
     spec, weight = case.spec(), case.weight()
+    monkeypatch.setattr(kernel_base, "ROW_BLOCK_ELEMENTS", 1)  # row blocks of 64 rows: several per layer
     tensors = kernel.prepare(weight, spec, target)
     # 1. the declaration, and the bias as given
     check_declared(kernel.stored_tensors(spec, target), tensors)
     if weight.bias is not None:
         assert torch.equal(tensors["bias"].float(), weight.bias.float()), "bias"
-    # 2. the layout round trip
+    # 2. the layout round trip, whole and in the row blocks verification reads
     dequantized = kernel.dequantize(tensors, spec)
     check_dequantized(kernel, case.variant, dequantized, weight, "dequantize")
+    blocks = list(kernel.dequantized_rows(tensors, spec))
+    assert [rows for rows, _ in blocks] == kernel_base.row_block_slices(spec.n, spec.k)
+    assert torch.equal(torch.cat([b.to(dequantized.device) for _, b in blocks]), dequantized), (
+        "dequantized_rows"
+    )
     # 3. the stored integer weight
     check_stored_int_weight(kernel.stored_int_weight(tensors, spec), weight, dequantized, "stored_int_weight")
     # 4. the twin computes the layer: x @ W.T + b in fp32

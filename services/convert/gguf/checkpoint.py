@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels.codecs.gguf import dequantize_gguf, ggml_type_name, unpermute_qk_rows
+from kernels.codecs.gguf import dequantize_gguf, ggml_type_name, gguf_row_bytes, unpermute_qk_rows
 from services.convert.checkpoint import Checkpoint
 from services.convert.gguf.container import GgufFile, GgufTensor, open_gguf
 from services.convert.gguf.metadata import (
@@ -38,6 +38,7 @@ FLOAT_TYPES = {0: ("F32", torch.float32), 1: ("F16", torch.float16), 30: ("BF16"
 PLAIN_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # Read as float tensors even when quantized (dequantized): the embedding; 1-D tensors are always plain.
 PLAIN_SUFFIXES = ("embed_tokens.weight",)
+PLAIN_READ_BYTES = 1 << 20  # GGUF bytes of a plain quantized tensor read and dequantized at a time
 ROPE_FACTORS = "rope_freqs.weight"
 QK_TENSORS = tuple(f"self_attn.{p}_proj.{s}" for p in "qk" for s in ("weight", "bias"))  # llama.cpp permutes
 
@@ -63,23 +64,45 @@ class GgufCheckpoint(Checkpoint):
         return {name: self._read_tensor(name) for name in names}
 
     def _read_tensor(self, name: str) -> torch.Tensor:
-        info = self.info(name)
-        data = bytearray(self.source.read_range(info.file, info.start, info.end))
         kind = self.ggml_types[name]
+        if (made := self.row_blocks(name)) is not None:
+            dtype, shape, blocks = made
+            out = torch.empty(shape, dtype=dtype)
+            row = 0
+            for block in blocks:
+                out[row : row + block.shape[0]] = block
+                row += block.shape[0]
+            return out
+        data = self.read_raw(name)  # (bytes,) uint8
         if kind in FLOAT_TYPES:
-            t = torch.frombuffer(data, dtype=FLOAT_TYPES[kind][1]).reshape(self.shapes[name])
+            t = data.view(FLOAT_TYPES[kind][1]).reshape(self.shapes[name])
         else:
-            t = torch.frombuffer(data, dtype=torch.uint8).reshape(*self.shapes[name][:-1], -1)
+            t = data.reshape(*self.shapes[name][:-1], -1)
         if name in self.qk_heads:
             t = unpermute_qk_rows(t, self.qk_heads[name])
         if kind in FLOAT_TYPES or self.is_raw(name):
             return t
         k = self.shapes[name][-1]
-        return (
-            dequantize_gguf(t.reshape(-1, t.shape[-1]), kind, k, name)
-            .reshape(self.shapes[name])
-            .to(self.plain_dtype)
+        return dequantize_gguf(t.reshape(-1, t.shape[-1]), kind, k, name, self.plain_dtype).reshape(
+            self.shapes[name]
         )
+
+    def row_blocks(self, name: str) -> tuple[torch.dtype, tuple[int, ...], Iterator[torch.Tensor]] | None:
+        """A quantized 2-D tensor kept as a plain one (the embedding), dequantized to `plain_dtype` a
+        row block at a time: its GGUF blocks, a float32 copy or the whole result never in memory."""
+        kind, shape = self.ggml_types[name], self.shapes[name]
+        if kind in FLOAT_TYPES or self.is_raw(name) or len(shape) != 2 or name in self.qk_heads:
+            return None
+        return self.plain_dtype, shape, self._dequantized_rows(name, kind, shape[0], shape[1])
+
+    def _dequantized_rows(self, name: str, kind: int, n: int, k: int) -> Iterator[torch.Tensor]:
+        row_bytes = gguf_row_bytes(kind, k, name)
+        step = max(1, PLAIN_READ_BYTES // row_bytes)
+        buf = torch.empty(min(n, step) * row_bytes, dtype=torch.uint8)  # reused by every block
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            raw = self.read_raw(name, r0 * row_bytes, r1 * row_bytes, buf).view(r1 - r0, row_bytes)
+            yield dequantize_gguf(raw, kind, k, name, self.plain_dtype)  # (r1 - r0, K)
 
     def present_side_files(self) -> list[str]:
         return sorted(self.generated_files)

@@ -8,8 +8,9 @@ back because of its shape), which must take every rank's shape.
 Conversion: read the layer's source tensors (positioned reads into one buffer / ranged GETs), decode
 every shard into a canonical weight, then per TP rank slice + fuse (a view when the shards lie back
 to back), quantize online (--method fp8), `kernel.prepare`, verify against the source (a dense
-kernel's stored weight directly, else the stored integers or `kernel.dequantize`), and append the
-tensors to the rank's streaming writer. Only one layer's tensors are in memory at a time.
+kernel's stored weight directly, else the stored integers or `kernel.dequantized_rows`, a row block at
+a time), and append the tensors to the rank's streaming writer. Only one layer's tensors are in memory
+at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from runtime.artifact.manifest import LayerEntry, LayerVerification, Rejection
 from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
 from services.convert.errors import VerificationError
 from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.heap import release_freed_heap
 from services.convert.tp import fuse, slice_cols, slice_rows
 from services.convert.units.base import (
     HEADER_ENTRY_BYTES,
@@ -95,12 +97,15 @@ class LinearUnit:
         tensors = files.ckpt.read(self.source_tensors)
         shards = [files.fmt.decode(s.module, self.quant, tensors) for s in self.layout.shards]
         del tensors
+        release_freed_heap()  # the read buffers and the decoders' temporaries, before the layout work
         for shard, w in zip(self.layout.shards, shards, strict=True):
             check_source_shape(shard.module, w, (shard.size, self.layout.k))
         worst: LayerVerification | None = None
         suffixes: list[str] | None = None
         for rank, spec in enumerate(self.specs):
             reference = self._rank_weight(files, shards, rank)
+            if rank == len(self.specs) - 1:
+                del shards  # what the last rank does not use (the unfused shards) goes now
             prepared, check = self._prepare_rank(files, spec, reference)
             require_reproduced(check, f"layer {self.name} (rank {rank}, kernel {self.kernel.name})")
             worst = worst_of(worst, check)
@@ -140,6 +145,7 @@ class LinearUnit:
         kernel, target = self.kernel, files.target
         weight = quantize_online(reference, self.target_quant) if self.online_fp8 else reference
         prepared = kernel.prepare(weight, spec, target)
+        release_freed_heap()  # the layout prep's temporaries, before verification's
         try:
             check_stored(kernel.name, spec, kernel.stored_tensors(spec, target), prepared)
         except LayoutError as e:
@@ -149,7 +155,7 @@ class LinearUnit:
         act = spec.torch_act_dtype
         stored = kernel.stored_int_weight(prepared, spec) if isinstance(reference, IntWeight) else None
         check = compare_int_stored(stored, reference, act) or compare(
-            kernel.dequantize(prepared, spec), reference, act, online_fp8=self.online_fp8
+            kernel.dequantized_rows(prepared, spec), reference, act, online_fp8=self.online_fp8
         )
         return prepared, check
 
