@@ -8,7 +8,8 @@ are compared with
 
 * vLLM serving the original checkpoint in the same dtype (same engine, same attention and residual
   stream; only the linear kernels differ), where vLLM's CPU build can serve it — which cells it
-  cannot is VLLM_CPU_CANNOT, each with the error it gives;
+  cannot is VLLM_CPU_CANNOT (and, without AVX-512, VLLM_CPU_CANNOT_WITHOUT_AVX512), each with the error
+  it gives;
 * the same artifact served by vLLM in float32: the dequantized model with fp32 numerics, the
   reference both bf16 paths are measured against (on the unquantized model it equals vLLM's fp32
   on the original exactly);
@@ -75,6 +76,38 @@ VLLM_CPU_CANNOT: dict[tuple[str, str], str] = {
     ("w8a8", "float16"): "vLLM died",  # its int8 GEMM hands fp16 attention bf16: a C++ abort
     **{("moe-fp8", d): "Unsupported FP8 MoE backend" for d in ("bfloat16", "float16", "float32")},
 }
+
+# Without AVX-512, vLLM 0.32's CPU build has no WNA16 GEMM (`cpu_gemm_wna16`) and no WNA16 MoE
+# backend, so the original GPTQ / AWQ / MoE-GPTQ checkpoints fail in every dtype (the artifacts,
+# served through the plugin, run); its W8A8 path then loads in every dtype but lands 0.062 from the
+# fp32 reference, where the plugin's is 0.026 (an AMD EPYC, AVX2 only, 2026-12-03).
+VLLM_CPU_CANNOT_WITHOUT_AVX512: dict[str, str] = {
+    "gptq": "cpu_gemm_wna16",
+    "awq": "cpu_gemm_wna16",
+    "moe-gptq": "No WNA16 MoE backend supports the deployment configuration",
+}
+VLLM_ORIGINAL_MEAN_ATOL_WITHOUT_AVX512 = {"w8a8": 0.08}
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs torch's AVX-512 kernels (read when a test asks, never at import)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def vllm_cpu_errors(method: str, dtype: str) -> list[str]:
+    """The errors vLLM's CPU build may stop with on the original checkpoint (empty: it must load)."""
+    errors = [VLLM_CPU_CANNOT.get((method, dtype))]
+    if not has_avx512():
+        errors.append(VLLM_CPU_CANNOT_WITHOUT_AVX512.get(method))
+    return [e for e in errors if e is not None]
+
+
+def vllm_original_mean_atol(method: str) -> float:
+    return (
+        VLLM_ORIGINAL_MEAN_ATOL
+        if has_avx512()
+        else VLLM_ORIGINAL_MEAN_ATOL_WITHOUT_AVX512.get(method, VLLM_ORIGINAL_MEAN_ATOL)
+    )
 
 
 def job_id(kind: str, method: str, source: str, dtype: str) -> str:
@@ -227,8 +260,8 @@ def test_vllm_serves_the_artifact_in_its_dtype(
 
     original = matrix.result("src", method, source, dtype)
     if not original["ok"]:
-        expected = VLLM_CPU_CANNOT.get((method, dtype))
-        assert expected is not None and expected in original["error"], original["error"][-2000:]
+        expected = vllm_cpu_errors(method, dtype)
+        assert any(e in original["error"] for e in expected), original["error"][-2000:]
         return
     vs_original = _mean(served, original["prompt_logprobs"])
     err_plugin, err_vllm = _mean(served, reference), _mean(original["prompt_logprobs"], reference)
@@ -236,7 +269,7 @@ def test_vllm_serves_the_artifact_in_its_dtype(
         f"{method}/{source}/{dtype}: vs vLLM on the original mean {vs_original:.4f}; from the fp32 "
         f"reference: plugin {err_plugin:.4f}, vLLM's own {err_vllm:.4f}"
     )
-    assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
+    assert vs_original <= vllm_original_mean_atol(method)
     assert err_plugin <= err_vllm + NO_WORSE_THAN_VLLM_ATOL
 
 
