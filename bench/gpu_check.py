@@ -32,7 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.base import Fp8Weight, IntWeight, LinearSpec, Target  # noqa: E402
+from kernels.base import FP4_GROUP_SIZE, Fp4Weight, Fp8Weight, IntWeight, LinearSpec, Target  # noqa: E402
+from kernels.codecs.fp4 import quantize_fp4  # noqa: E402
 from kernels.codecs.fp8 import quantize_fp8  # noqa: E402
 from kernels.registry import get_kernel  # noqa: E402
 
@@ -59,8 +60,15 @@ class Variant:
     block_size: tuple[int, int] | None = None
     backend: str = "triton"  # fp8_w8a8 only: "triton" or "scaled_mm"
     int8_activations: bool = False  # int8_w8a8: the layer declares per-token int8 activations
+    fp4_format: str | None = None  # scheme "fp4": "nvfp4" | "mxfp4"
 
     def spec(self, n: int, k: int) -> LinearSpec:
+        if self.scheme == "fp4":
+            assert self.fp4_format is not None
+            return LinearSpec(
+                name=self.label, scheme="fp4", n=n, k=k, bits=4, group_size=FP4_GROUP_SIZE[self.fp4_format],
+                act_dtype="bfloat16", fp4_format=self.fp4_format,  # type: ignore[arg-type]
+            )  # fmt: skip
         return LinearSpec(
             name=self.label,
             scheme=self.scheme,  # type: ignore[arg-type]
@@ -90,11 +98,17 @@ VARIANTS = (
     Variant("fp8_marlin block 128", "fp8_marlin", "fp8", fp8_strategy="block", block_size=(128, 128)),
     Variant("fp8_w8a16 channel", "fp8_w8a16", "fp8", fp8_strategy="channel"),
     Variant("fp8_w8a16 block 128", "fp8_w8a16", "fp8", fp8_strategy="block", block_size=(128, 128)),
+    Variant("marlin_fp4 nvfp4", "marlin_fp4", "fp4", fp4_format="nvfp4"),
+    Variant("marlin_fp4 mxfp4", "marlin_fp4", "fp4", fp4_format="mxfp4"),
 )
 
 
-def make_weight(v: Variant, n: int, k: int, dense: torch.Tensor) -> IntWeight | Fp8Weight:
+def make_weight(v: Variant, n: int, k: int, dense: torch.Tensor) -> IntWeight | Fp8Weight | Fp4Weight:
     """Quantize a dense (N, K) weight into the canonical form the variant's kernel prepares."""
+    if v.scheme == "fp4":
+        assert v.fp4_format is not None
+        codes, scales, global_scale = quantize_fp4(dense, v.fp4_format)
+        return Fp4Weight(codes, scales, v.fp4_format, global_scale)  # type: ignore[arg-type]
     if v.scheme == "fp8":
         return quantize_fp8(dense, v.fp8_strategy, block_size=v.block_size or (128, 128))  # type: ignore[arg-type]
     g = k if v.group_size == -1 else v.group_size

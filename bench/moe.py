@@ -8,6 +8,8 @@
    are most of the bytes; devtools/builders/synthetic.py, cached under .cache/kiln-bench):
      gptq   GPTQ int4 g128 per-expert Linears -> sm80, marlin_moe_wna16 (the Marlin MoE layout)
      bf16   bf16 per-expert Linears -> sm90 with --method fp8 (per-tensor e4m3 per expert, fp8_moe_w8a8)
+     nvfp4  compressed-tensors NVFP4 per-expert Linears -> sm80 (marlin_fp4_experts) and cpu
+            (cpu_fp4_experts); no vLLM peer (its Marlin FP4 repack is the CUDA gptq_marlin_repack)
    Kiln runs `convert` end to end in a fresh process: read, decode, prepare, verify every expert
    against its source, write, hash. The peer is vLLM's own code (its CPU build, in its own venv) run
    on the same files the way vLLM's `process_weights_after_loading` does it: a layer's experts loaded
@@ -19,7 +21,9 @@
    method, `Fp8PerTensorOnlineMoEMethod`, loops over). The peer neither verifies nor writes anything, so the
    ratio understates Kiln's lead on equal work. The peer's Marlin bytes of the first MoE layer are
    compared with Kiln's artifact and must be identical.
-2. Peak RSS of every process (VmHWM; devtools/process_memory.py) as a fraction of the source size.
+2. Peak RSS of every process (VmHWM; devtools/process_memory.py) as a fraction of the source size,
+   and against the streaming allowance: 0.5 x the source plus one expert group (one MoE layer's
+   experts, in the source or as stored, whichever is more).
 3. CPU decode tok/s at batch 1 and 8 of the tiny Qwen3-MoE of the tests (devtools/builders/moe.py:
    hidden 256, 8 experts top-2) served by Kiln (bf16 and GPTQ W4A16 artifacts),
    next to transformers on the same bf16 checkpoint (bf16 and fp32), each in its own process
@@ -56,9 +60,10 @@ MARKER = "KILN-BENCH "
 
 
 def child_kiln_convert(source: str, target: str, method: str, out: str) -> dict[str, Any]:
-    from devtools.process_memory import peak_rss_bytes
+    from devtools.process_memory import current_rss_bytes, peak_rss_bytes
     from services.convert.library import ConversionRequest, convert
 
+    base = current_rss_bytes()
     t0 = time.perf_counter()
     (result,) = convert(ConversionRequest(source, [target], method=method, out=out))
     seconds = time.perf_counter() - t0
@@ -66,6 +71,7 @@ def child_kiln_convert(source: str, target: str, method: str, out: str) -> dict[
     return {
         "seconds": seconds,
         "peak_rss_bytes": peak_rss_bytes(),
+        "base_rss_bytes": base,
         "ok": m.verification.ok,
         "artifact": str(Path(out) / m.artifact_id),
         "expert_kernels": sorted({e.kernel for e in m.expert_groups.values()}),
@@ -196,13 +202,15 @@ def source_checkpoints(layers: int, experts: int) -> dict[str, Path]:
         layers=layers, num_experts=experts, top_k=4, moe_intermediate=768, intermediate=TINY.intermediate,
     )  # fmt: skip
     out = {}
-    for kind in ("gptq", "bf16"):
+    for kind in ("gptq", "bf16", "nvfp4"):
         path = CACHE / f"qwen3-moe-h2048-l{layers}-e{experts}-i768-{kind}-v1"
         if not (path / "config.json").exists():
             print(f"  writing {path.name} ...", flush=True)
             tmp = path.with_name(path.name + ".partial")
             if kind == "gptq":
                 write_checkpoint(tmp, "gptq", dims=dims, group_size=GROUP, sharded=True)
+            elif kind == "nvfp4":
+                write_checkpoint(tmp, "ct-nvfp4", dims=dims, sharded=True)
             else:
                 write_large_checkpoint(tmp, dims)
             tmp.rename(path)
@@ -212,6 +220,26 @@ def source_checkpoints(layers: int, experts: int) -> dict[str, Path]:
 
 def checkpoint_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def expert_group_bytes(path: Path, prefix: str = "model.layers.0.mlp.experts.") -> int:
+    """Bytes of one MoE layer's experts in a checkpoint."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if name.startswith(prefix):
+                    t = st.get_slice(name)
+                    numel = 1
+                    for d in t.get_shape():
+                        numel *= d
+                    total += numel * DTYPE_BYTES[t.get_dtype()]
+    return total
+
+
+DTYPE_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
 
 
 def compare_marlin_bytes(artifact: Path, peer_file: Path, layer: str) -> dict[str, bool]:
@@ -233,18 +261,31 @@ def compare_marlin_bytes(artifact: Path, peer_file: Path, layer: str) -> dict[st
 
 def bench_conversion(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     sources = source_checkpoints(args.layers, args.experts)
-    cells = {"gptq": ("sm80", "auto"), "bf16": ("sm90", "fp8")}
+    # cell -> (source kind, target, method)
+    cells = {
+        "gptq": ("gptq", "sm80", "auto"),
+        "bf16": ("bf16", "sm90", "fp8"),
+        "nvfp4": ("nvfp4", "sm80", "auto"),
+        "nvfp4-cpu": ("nvfp4", "cpu", "auto"),
+    }
     results: dict[str, Any] = {}
-    for kind, (target, method) in cells.items():
+    for cell, (kind, target, method) in cells.items():
         src = sources[kind]
         size = checkpoint_bytes(src)
-        print(f"  {kind}: {src.name} ({size / 1e9:.2f} GB) -> {target} --method {method}", flush=True)
+        print(f"  {cell}: {src.name} ({size / 1e9:.2f} GB) -> {target} --method {method}", flush=True)
         kiln = run_child(
-            sys.executable, ["--child", "kiln-convert", str(src), target, method, str(out_dir / kind)]
+            sys.executable, ["--child", "kiln-convert", str(src), target, method, str(out_dir / cell)]
         )
         row: dict[str, Any] = {"source_bytes": size, "target": target, "method": method, "kiln": kiln}
         row["kiln"]["gb_per_s"] = size / kiln["seconds"] / 1e9
-        if args.vllm_python.exists():
+        group = max(
+            expert_group_bytes(src), expert_group_bytes(Path(kiln["artifact"]), "model.layers.0.mlp.experts.")
+        )
+        row["rss_allowance_bytes"] = allowance = size // 2 + group
+        row["within_allowance"] = kiln["peak_rss_bytes"] - kiln["base_rss_bytes"] <= allowance
+        if kind == "nvfp4":  # no vLLM peer: its Marlin FP4 repack is the CUDA-only gptq_marlin_repack
+            row["vllm_reference"] = "none: vLLM's Marlin FP4 repack is a CUDA op"
+        elif args.vllm_python.exists():
             peer_file = out_dir / f"peer-{kind}.safetensors"
             peer = run_child(str(args.vllm_python), ["--child", "vllm-peer", str(src), kind, str(peer_file)])
             peer["gb_per_s"] = size / peer["seconds"] / 1e9
@@ -256,7 +297,7 @@ def bench_conversion(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 )
         else:
             row["vllm_reference"] = f"skipped: {args.vllm_python} missing (make vllm-venv)"
-        results[kind] = row
+        results[cell] = row
     return results
 
 
@@ -299,20 +340,23 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def report(result: dict[str, Any]) -> None:
-    print("\nConversion (GB/s of source; peak RSS as a fraction of the source size)")
-    print(f"{'source':6} {'target':12} {'kiln GB/s':>10} {'vLLM ref GB/s':>14} {'kiln/vLLM':>10} "
-          f"{'kiln RSS':>9} {'vLLM RSS':>9}")  # fmt: skip
+    print("\nConversion (GB/s of source; peak RSS as a fraction of the source size; kiln's peak - base")
+    print("RSS against 0.5 x source + one expert group)")
+    print(f"{'cell':9} {'target':12} {'kiln GB/s':>10} {'vLLM ref GB/s':>14} {'kiln/vLLM':>10} "
+          f"{'kiln RSS':>9} {'vLLM RSS':>9} {'peak-base MB':>13} {'allowance MB':>13}")  # fmt: skip
     for kind, row in result["conversion"].items():
         size = row["source_bytes"]
         kiln = row["kiln"]
         peer = row["vllm_reference"] if isinstance(row["vllm_reference"], dict) else {}
         cells = [
-            f"{kind:6} {row['target'] + ' ' + row['method']:12}",
+            f"{kind:9} {row['target'] + ' ' + row['method']:12}",
             f"{kiln['gb_per_s']:10.3f}",
             f"{_fmt(peer.get('gb_per_s'), '.3f'):>14}",
             f"{_fmt(row.get('kiln_over_vllm_speed'), '.2f'):>9}x",
             f"{kiln['peak_rss_bytes'] / size:9.3f}",
             f"{_fmt(peer['peak_rss_bytes'] / size if peer else None, '.3f'):>9}",
+            f"{(kiln['peak_rss_bytes'] - kiln['base_rss_bytes']) / 1e6:13.0f}",
+            f"{row['rss_allowance_bytes'] / 1e6:13.0f}",
         ]
         print(" ".join(cells))
         if "marlin_bytes_identical" in row:

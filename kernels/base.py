@@ -1,9 +1,9 @@
 """The contract every kernel file implements, and the canonical weights the converter hands to it.
 
 Flow: a checkpoint reader (services/convert) unpacks any source format into one of the canonical
-weight classes below (`IntWeight`, `Fp8Weight`, `DenseWeight`); the registry picks a kernel for the
-layer's `LinearSpec` and target; `kernel.prepare(weight, spec)` (offline, CPU, pure torch) returns
-the tensors the artifact stores; at runtime `kernel.apply(x, tensors, spec)` runs the layer.
+weight classes below (`IntWeight`, `Fp8Weight`, `Fp4Weight`, `DenseWeight`); the registry picks a
+kernel for the layer's `LinearSpec` and target; `kernel.prepare(weight, spec)` (offline, CPU, pure
+torch) returns the tensors the artifact stores; at runtime `kernel.apply(x, tensors, spec)` runs the layer.
 `kernel.dequantize(tensors, spec)` inverts the layout (fp32 `[N, K]`), used by the converter's
 verification and by `reference`, the pure-torch twin of `apply`.
 """
@@ -21,8 +21,15 @@ import torch
 from kernels.errors import LayoutError
 from kernels.targets import Target
 
-WeightScheme = Literal["int", "fp8", "dense"]
+WeightScheme = Literal["int", "fp8", "fp4", "dense"]
 Fp8Strategy = Literal["tensor", "channel", "block"]
+# NVFP4: E2M1 codes, an FP8 E4M3 scale per 16, an fp32 global multiplier per shard.
+# MXFP4: E2M1 codes, a power-of-two E8M0 scale (a biased exponent byte) per 32.
+Fp4Format = Literal["nvfp4", "mxfp4"]
+FP4_GROUP_SIZE: dict[str, int] = {"nvfp4": 16, "mxfp4": 32}
+# Value of each E2M1 code (bit 3 is the sign; code 8 is -0.0), the same in every FP4 format.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_NAN = 255  # the one E8M0 byte that is not a power of two
 
 # Whole-layer work (layout prep, verification) runs in blocks of output rows, so its temporaries stay
 # bounded whatever the layer's size: about ROW_BLOCK_ELEMENTS elements per block, a multiple of
@@ -77,6 +84,12 @@ class LinearSpec:
     shards: tuple[ShardSpec, ...] = ()
     # The zero is a float minimum per group, w = q * s + m (GGUF Q4_1 / Q4_K), not an integer code.
     float_zeros: bool = False
+    fp4_format: Fp4Format | None = None  # scheme "fp4": which FP4 encoding (group_size is 16 / 32)
+    # An FP4 checkpoint calibrated for FP4 activations (W4A4); kernels without FP4 math run it W4A16.
+    fp4_activations: bool = False
+    # A layout value shared by every expert of a group, set by the converter from all of them before
+    # any is prepared (`LinearKernel.group_statistic`): marlin_fp4's NVFP4 scale factor. 0: none.
+    group_scale_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.k_full == 0:
@@ -103,9 +116,10 @@ class LinearSpec:
         d = dataclasses.asdict(self)
         d["block_size"] = list(self.block_size) if self.block_size else None
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
-        for flag in ("int8_activations", "float_zeros"):
+        optional = ("int8_activations", "float_zeros", "fp4_format", "fp4_activations", "group_scale_factor")
+        for flag in optional:
             if not d[flag]:
-                del d[flag]  # absent = False: manifests written before the field stay valid
+                del d[flag]  # absent = False / None: manifests written before the field stay valid
         return d
 
     @classmethod
@@ -231,6 +245,71 @@ class Fp8Weight:
         return self.weight.float() * self.expanded_scale()
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 value of every E2M1 code (uint8 0..15), same shape."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+
+
+def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
+    """float32 2 ** (byte - 127) of every E8M0 byte, built bit for bit (2^-127 is an fp32 subnormal);
+    byte 255 is NaN."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
+    return torch.where(e == E8M0_NAN, torch.full_like(e, 0x7FC00000), bits).view(torch.float32)
+
+
+@dataclass
+class Fp4Weight:
+    """FP4 (E2M1) weight with block scales: w = E2M1(code) * scale[n, k // group] * global[shard of n].
+
+    codes        (N, K) uint8 E2M1 codes 0..15 (unpacked)
+    scales       (N, K // group) float8_e4m3fn (nvfp4, group 16) | uint8 E8M0 exponent bytes (mxfp4, 32)
+    global_scale (S,) float32 multipliers, one per shard (`shard_sizes` give their rows; S == 1
+                 unfused); nvfp4 only, None for mxfp4
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: Fp4Format
+    global_scale: torch.Tensor | None = None
+    shard_sizes: tuple[int, ...] = ()
+    bias: torch.Tensor | None = None
+
+    @property
+    def group_size(self) -> int:
+        return FP4_GROUP_SIZE[self.fmt]
+
+    def scale_values(self) -> torch.Tensor:
+        """(N, K // group) float32 block scales (without the global one)."""
+        return self.scales.float() if self.fmt == "nvfp4" else e8m0_values(self.scales)
+
+    def row_global(self) -> torch.Tensor | None:
+        """(N,) float32 global multiplier of every output row, or None (mxfp4)."""
+        if self.global_scale is None:
+            return None
+        g = self.global_scale.float().reshape(-1)
+        sizes = self.shard_sizes or (self.codes.shape[0],)
+        if len(sizes) != g.numel():
+            raise LayoutError(f"{g.numel()} FP4 global scales for {len(sizes)} shards")
+        return torch.repeat_interleave(g, torch.tensor(sizes))
+
+    def dequantized_rows(self) -> RowBlocks:
+        """`dequantize()` in the row blocks of `row_block_slices(N, K)`."""
+        n, k = self.codes.shape
+        g = self.row_global()
+        for rows in row_block_slices(n, k):
+            scale = self.scale_values()[rows].repeat_interleave(self.group_size, 1)
+            w = e2m1_values(self.codes[rows]) * scale
+            yield rows, w if g is None else w * g[rows, None]
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        out = torch.empty(self.codes.shape, dtype=torch.float32)
+        for rows, block in self.dequantized_rows():
+            out[rows] = block
+        return out
+
+
 @dataclass
 class DenseWeight:
     """Unquantized weight (N, K) in its checkpoint dtype."""
@@ -242,7 +321,13 @@ class DenseWeight:
         return self.weight.float()
 
 
-SourceWeight = IntWeight | Fp8Weight | DenseWeight
+SourceWeight = IntWeight | Fp8Weight | Fp4Weight | DenseWeight
+
+
+def weight_shape(w: SourceWeight) -> tuple[int, int]:
+    """(N, K) of a canonical weight."""
+    t = w.codes if isinstance(w, IntWeight | Fp4Weight) else w.weight
+    return int(t.shape[0]), int(t.shape[1])
 
 
 @dataclass(frozen=True)
@@ -285,8 +370,8 @@ def check_stored(
         )
 
 
-QuantizedWeight = TypeVar("QuantizedWeight", IntWeight, Fp8Weight)
-SCHEME_WORDS = {"int": "integer", "fp8": "fp8", "dense": "unquantized"}
+QuantizedWeight = TypeVar("QuantizedWeight", IntWeight, Fp8Weight, Fp4Weight)
+SCHEME_WORDS = {"int": "integer", "fp8": "fp8", "fp4": "fp4", "dense": "unquantized"}
 
 # Every float activation dtype a host may run: the CPU paths cast to what their ops take and return
 # the input's dtype, so a CPU layer serves any of them.
@@ -358,9 +443,13 @@ class LinearKernel(ABC):
             raise LayoutError(
                 f"{spec.name}: {self.name} prepares {kind.__name__}, got {type(weight).__name__}"
             )
-        shape = tuple((weight.codes if isinstance(weight, IntWeight) else weight.weight).shape)
+        shape = weight_shape(weight)
         if shape != (spec.n, spec.k):
             raise LayoutError(f"{spec.name}: weight is {shape}, spec says (N, K) = {(spec.n, spec.k)}")
+        if isinstance(weight, Fp4Weight):
+            if weight.fmt != spec.fp4_format:
+                raise LayoutError(f"{spec.name}: weight is {weight.fmt}, spec says {spec.fp4_format}")
+            return weight
         if isinstance(weight, Fp8Weight):
             if weight.weight.dtype != torch.float8_e4m3fn:
                 raise LayoutError(
@@ -407,6 +496,19 @@ class LinearKernel(ABC):
         w = self.dequantize(tensors, spec)
         for rows in row_block_slices(spec.n, spec.k):
             yield rows, w[rows]
+
+    def needs_group_statistic(self, spec: LinearSpec) -> bool:
+        """Whether, as one expert of a group, the layout needs a value reduced over every expert of
+        the group before any is prepared (`group_statistic`, `with_group_statistic`)."""
+        return False
+
+    def group_statistic(self, weight: SourceWeight, spec: LinearSpec) -> float:
+        """One expert's share of the group value (the converter takes the max over the group)."""
+        raise NotImplementedError(f"{self.name} needs no group statistic")
+
+    def with_group_statistic(self, spec: LinearSpec, value: float) -> LinearSpec:
+        """`spec` for every expert of a group whose statistic (the max over its experts) is `value`."""
+        return spec
 
     def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight | None:
         """The integer weight the stored tensors hold — codes, zero points and group map as stored,

@@ -9,7 +9,7 @@ at full speed on every x86 CPU, and it is the fastest form at M=1 (decode). bf16
 with native bf16 dot products: on this machine (avx512_bf16; `bench/cpu_kernels.py --threads 1`,
 2048x2048) fp32 / bf16 took 0.20 / 0.24 ms at M=1, 1.1 / 0.32 ms at M=8 and 3.5 / 0.75 ms at M=32.
 
-The cpu target also takes "int" and "fp8" layers that no CPU quantized kernel takes (2/3-bit,
+The cpu target also takes "int", "fp8" and "fp4" layers that no CPU quantized kernel takes (2/3-bit,
 grouped or asymmetric 8-bit, shapes the int4 pack refuses) by storing their dequantized fp32
 weight, which equals `weight.dequantize()` bit for bit.
 
@@ -24,6 +24,7 @@ import torch
 
 from kernels.base import (
     DenseWeight,
+    Fp4Weight,
     Fp8Weight,
     IntWeight,
     LinearKernel,
@@ -51,7 +52,7 @@ def storage_dtype(spec: LinearSpec, target: Target) -> torch.dtype:
 class DenseKernel(LinearKernel):
     name = "dense"
     layout_version = 1
-    schemes = frozenset({"dense", "int", "fp8"})
+    schemes = frozenset({"dense", "int", "fp8", "fp4"})
     targets = frozenset(Target)
     stores_plain_weight = True
     description = "torch linear on the (dequantized) weight: act dtype on GPU, fp32 on cpu"
@@ -69,9 +70,7 @@ class DenseKernel(LinearKernel):
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
         if spec.scheme != "dense" and target.is_gpu:
             raise LayoutError(f"{self.name}: layer {spec.name}: {GPU_QUANTIZED_REASON}")
-        expected = (
-            DenseWeight if spec.scheme == "dense" else (IntWeight if spec.scheme == "int" else Fp8Weight)
-        )
+        expected = {"dense": DenseWeight, "int": IntWeight, "fp8": Fp8Weight, "fp4": Fp4Weight}[spec.scheme]
         if not isinstance(weight, expected):
             raise LayoutError(
                 f"{self.name}: layer {spec.name} has scheme {spec.scheme} but got {type(weight).__name__}"

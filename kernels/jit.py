@@ -111,7 +111,7 @@ def act_dtype_reason(act_dtype: str, kernel: str, target: Target) -> str:
         if act_dtype == "bfloat16" and not target.has_bf16:
             return (
                 f"{target.value} has no bfloat16 tensor cores: {kernel} there needs act_dtype float16, "
-                f"got {act_dtype} (convert with --dtype float16)"
+                f"got {act_dtype}"
             )
         return ""
     return f"{kernel} runs bfloat16 or float16 activations, not {act_dtype}; use the dense or a cpu kernel"

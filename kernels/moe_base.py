@@ -126,6 +126,19 @@ class MoEKernel(ABC):
     ) -> dict[str, torch.Tensor]:
         """One expert's slices of the stacked tensors (same keys, no leading E dimension)."""
 
+    def needs_group_statistics(self, spec: MoESpec) -> bool:
+        """Whether the layout needs values reduced over every local expert before any expert is
+        prepared (vLLM's Marlin FP4 MoE prepare picks one NVFP4 scale factor per part for the group)."""
+        return False
+
+    def group_statistics(self, w13: SourceWeight, w2: SourceWeight, spec: MoESpec) -> tuple[float, float]:
+        """One expert's (w13, w2) shares of those values (the converter takes the max of each)."""
+        raise NotImplementedError(f"{self.name} needs no group statistics")
+
+    def with_group_statistics(self, spec: MoESpec, values: tuple[float, float]) -> MoESpec:
+        """`spec` once the group's (w13, w2) values are known."""
+        return spec
+
     @abstractmethod
     def dequantize_expert(
         self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int

@@ -5,7 +5,8 @@ zero points, then pack them with the source-format encoders; FP8 formats quantiz
 weights. Everything is seeded, so the same call writes the same bytes (artifact ids are stable).
 
     write_checkpoint(path, "gptq", bits=4, group_size=128, sym=True, act_order=False, v2=False)
-    write_checkpoint(path, "awq" | "ct-pack" | "ct-fp8" | "ct-int8" | "fp8" | "dense", ...)
+    write_checkpoint(path, "awq" | "ct-pack" | "ct-fp8" | "ct-int8" | "ct-nvfp4" | "ct-mxfp4" | "fp8" |
+                     "dense", ...)
     write_large_checkpoint(path, dims, fmt="dense" | "ct-pack" | ...)  # big checkpoints, layer by layer
 
 Mixture-of-experts and Qwen3 checkpoints come from the same writer through `Dims`' architecture and
@@ -28,13 +29,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kernels.base import IntWeight
+from kernels.base import Fp4Weight, IntWeight
 from kernels.codecs.awq import encode_awq
 from kernels.codecs.compressed_tensors import encode_pack_quantized
+from kernels.codecs.fp4 import pack_fp4
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.codecs.gptq import encode_gptq
 
-FORMATS = ("dense", "gptq", "awq", "ct-pack", "ct-fp8", "ct-int8", "fp8")
+FORMATS = ("dense", "gptq", "awq", "ct-pack", "ct-fp8", "ct-int8", "ct-nvfp4", "ct-mxfp4", "fp8")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -330,7 +332,37 @@ def _quant_config(fmt: str, o: dict[str, Any]) -> dict[str, Any] | None:
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"}
         acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
         return _ct("int-quantized", weights, acts, o["ignore"])
+    if fmt == "ct-nvfp4":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": "tensor_group", "group_size": 16,
+                   "scale_dtype": "torch.float8_e4m3fn"}  # fmt: skip
+        return _ct("nvfp4-pack-quantized", weights, None, o["ignore"])
+    if fmt == "ct-mxfp4":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}  # fmt: skip
+        return _ct("mxfp4-pack-quantized", weights, None, o["ignore"])
     raise ValueError(f"unknown synthetic format {fmt!r}; known: {FORMATS}")
+
+
+def _encode_fp4(
+    fmt: str, module: str, n: int, k: int, gen: torch.Generator, globals_: dict[str, torch.Tensor],
+    truth: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Random E2M1 codes with compressed-tensors' FP4 tensors: NVFP4 E4M3 scales per 16 and a global
+    divisor shared by the modules reading the same input (as llm-compressor fuses q/k/v and gate/up),
+    MXFP4 E8M0 bytes per 32."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if fmt == "ct-mxfp4":
+        scales = torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8)
+        truth[module] = Fp4Weight(codes, scales, "mxfp4").dequantize()
+        return {"weight_packed": pack_fp4(codes), "weight_scale": scales}
+    scales = (torch.rand(n, k // 16, generator=gen) * 440 + 8).to(torch.float8_e4m3fn)
+    group = "global:" + _input_group(module)  # keyed apart from the act-order g_idx of the same cache
+    if group not in globals_:
+        globals_[group] = (torch.rand(1, generator=gen) * 4000 + 2000).float()  # ≈ 448 * 6 / amax
+    divisor = globals_[group]
+    truth[module] = Fp4Weight(codes, scales, "nvfp4", 1.0 / divisor).dequantize()
+    return {"weight_packed": pack_fp4(codes), "weight_scale": scales, "weight_global_scale": divisor.clone()}
 
 
 def _ct(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, ignore: list[str]) -> dict[str, Any]:
@@ -358,6 +390,8 @@ def _encode(
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     bits, gs, sym = o["bits"], o["group_size"], o["sym"]
     dense_dtype = _dtype(o["dtype"])
+    if fmt in ("ct-nvfp4", "ct-mxfp4"):
+        return _encode_fp4(fmt, module, n, k, gen, g_idx_cache, truth)
     if fmt in ("fp8", "ct-fp8"):
         w = (torch.randn(n, k, generator=gen) * 0.05).to(dense_dtype)
         q = quantize_fp8(w, o["fp8_strategy"], block_size=tuple(o["block"]))

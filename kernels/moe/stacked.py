@@ -17,11 +17,12 @@ kernels (kernels/moe/fused.py) store the same layouts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
 
-from kernels.base import IntWeight, LinearKernel, SourceWeight, StoredTensor
+from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
 from kernels.moe_base import W2, W13, ExpertTwin, MoEApply, MoEKernel, MoESpec, expert_slices, swiglu
 from kernels.targets import Target
 
@@ -75,6 +76,21 @@ class StackedExperts(MoEKernel):
                     value = self.inner.neutral_tensor(suffix, linear)
                 out[f"{part}.{suffix}"] = value
         return out
+
+    def needs_group_statistics(self, spec: MoESpec) -> bool:
+        return self.inner.needs_group_statistic(spec.w13) or self.inner.needs_group_statistic(spec.w2)
+
+    def group_statistics(self, w13: SourceWeight, w2: SourceWeight, spec: MoESpec) -> tuple[float, float]:
+        inner = self.inner
+
+        def one(weight: SourceWeight, linear: LinearSpec) -> float:
+            return inner.group_statistic(weight, linear) if inner.needs_group_statistic(linear) else 0.0
+
+        return one(w13, spec.w13), one(w2, spec.w2)
+
+    def with_group_statistics(self, spec: MoESpec, values: tuple[float, float]) -> MoESpec:
+        w13 = self.inner.with_group_statistic(spec.w13, values[0])
+        return dataclasses.replace(spec, w13=w13, w2=self.inner.with_group_statistic(spec.w2, values[1]))
 
     def dequantize_expert(
         self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int

@@ -45,7 +45,7 @@ class ShardValues(_Strict):
 
 class LinearSpecValues(_Strict):
     name: str
-    scheme: Literal["int", "fp8", "dense"]
+    scheme: Literal["int", "fp8", "fp4", "dense"]
     n: Features
     k: Features
     k_full: Annotated[int, Field(strict=True, ge=0, le=MAX_FEATURES)] = 0
@@ -61,6 +61,9 @@ class LinearSpecValues(_Strict):
     int8_activations: bool = False
     shards: list[ShardValues] = Field(default_factory=list)
     float_zeros: bool = False
+    fp4_format: Literal["nvfp4", "mxfp4"] | None = None
+    fp4_activations: bool = False
+    group_scale_factor: Annotated[float, Field(ge=0.0, le=2.0**64)] = 0.0
 
 
 class MoESpecValues(_Strict):

@@ -7,6 +7,8 @@ kernel names it: `LinearKernel.vllm_kernel`); the other layers run Kiln's Triton
         GPTQ desc_act. Kiln keeps the bias in natural column order (vLLM permutes its own for
         Marlin), so it is added after the GEMM.
     fp8_marlin (Kiln's fp8_marlin): vLLM's FP8-Marlin GEMM (`apply_fp8_marlin_linear`), bias after.
+    fp4_marlin (Kiln's marlin_fp4): vLLM's FP4-Marlin GEMM (`apply_fp4_marlin_linear`), NVFP4 / MXFP4,
+        bias after.
     cutlass_scaled_mm (Kiln's fp8_w8a8): vLLM's per-token dynamic FP8 quantization +
         `cutlass_scaled_mm` on weight.t() (per-tensor or per-channel weight scales).
 
@@ -83,6 +85,31 @@ def _fp8_marlin(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | N
     return _with_bias(run, tensors.get("bias"))
 
 
+def _fp4_marlin(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | None:
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
+
+    qweight, scales = tensors["qweight"], tensors["scales"]
+    global_scale = tensors.get("global_scale")
+    if global_scale is None:  # MXFP4: Kiln stores the E8M0 bytes as uint8
+        scales = scales.view(torch.float8_e8m0fnu)
+    else:
+        global_scale = global_scale.reshape(())  # vLLM's layer holds it 0-d
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return apply_fp4_marlin_linear(
+            input=x,
+            weight=qweight,
+            weight_scale=scales,
+            weight_global_scale=global_scale,
+            workspace=None,
+            size_n=spec.n,
+            size_k=spec.k,
+            bias=None,
+        )
+
+    return _with_bias(run, tensors.get("bias"))
+
+
 def _fp8_w8a8(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | None:
     from vllm import _custom_ops as ops
 
@@ -103,6 +130,7 @@ def _fp8_w8a8(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Apply | Non
 VLLM_KERNELS: dict[str, Callable[[dict[str, torch.Tensor], LinearSpec], Apply | None]] = {
     "gptq_marlin": _marlin_wna16,
     "fp8_marlin": _fp8_marlin,
+    "fp4_marlin": _fp4_marlin,
     "cutlass_scaled_mm": _fp8_w8a8,
 }
 

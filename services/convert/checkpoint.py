@@ -50,7 +50,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 SIDE_FILES = ("generation_config.json", *TOKENIZER_FILES)
-QUANT_SIDE_CONFIGS = ("quantize_config.json", "quant_config.json")
+QUANT_SIDE_CONFIGS = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 
 
 @dataclass

@@ -29,6 +29,7 @@ FORMATS: tuple[str, ...] = (
     "services.convert.formats.gguf:GgufFormat",
     "services.convert.formats.gptq:GptqFormat",
     "services.convert.formats.awq:AwqFormat",
+    "services.convert.formats.modelopt:ModelOptFormat",
     "services.convert.formats.fp8:Fp8Format",
     "services.convert.formats.compressed_tensors:CompressedTensorsFormat",
     "services.convert.formats.dense:DenseFormat",

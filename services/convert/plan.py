@@ -30,12 +30,14 @@ _FLOAT_ACT = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", 
 # does not know, which it must not silently pass through.
 QUANTIZED_SUFFIXES = (
     "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
-    "weight_g_idx", "weight_shape", "weight_scale_inv", "input_scale",
+    "weight_g_idx", "weight_shape", "weight_scale_inv", "input_scale", "weight_global_scale",
+    "weight_scale_2", "input_global_scale",
 )  # fmt: skip
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
-# Static activation / KV-cache scales: the kernels quantize activations dynamically and the runtime
-# has its own KV-cache handling, so these are dropped (and the plan says so).
-DROPPED_SCALE_SUFFIXES = ("input_scale", "output_scale", "k_scale", "v_scale")
+# Static activation / KV-cache scales: the kernels quantize activations dynamically (or, for FP4
+# W4A4 sources, run them 16-bit) and the runtime has its own KV-cache handling, so these are dropped
+# (and the plan says so).
+DROPPED_SCALE_SUFFIXES = ("input_scale", "input_global_scale", "output_scale", "k_scale", "v_scale")
 
 
 @dataclass

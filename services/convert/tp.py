@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
+from kernels.base import DenseWeight, Fp4Weight, Fp8Weight, IntWeight, SourceWeight, weight_shape
 from kernels.errors import UnsupportedError
 from runtime.model_layout import RowRange
 from services.convert.errors import ConversionError
@@ -49,6 +49,11 @@ def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
                 )
             scale = w.scale[s // bn : -(-e // bn)]
         return Fp8Weight(w.weight[s:e], scale, w.strategy, w.block_size, (), bias)
+    if isinstance(w, Fp4Weight):
+        g = w.row_global()
+        if g is not None and w.shard_sizes and len(w.shard_sizes) > 1:
+            raise ConversionError(f"{name}: a fused FP4 weight is sliced by rows before fusing, not after")
+        return Fp4Weight(w.codes[s:e], w.scales[s:e], w.fmt, w.global_scale, (), bias)
     return DenseWeight(w.weight[s:e], bias)
 
 
@@ -56,7 +61,7 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
     """Row-parallel slice: input features [rank*K/tp, (rank+1)*K/tp)."""
     if tp == 1:
         return w
-    k = w.codes.shape[1] if isinstance(w, IntWeight) else w.weight.shape[1]
+    k = weight_shape(w)[1]
     if k % tp:
         raise UnsupportedError(f"{name}: {k} input features cannot be split over tp={tp}")
     part = k // tp
@@ -90,6 +95,15 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
                 )
             scale = w.scale[:, s // bk : e // bk]
         return Fp8Weight(w.weight[:, s:e], scale, w.strategy, w.block_size, w.shard_sizes, w.bias)
+    if isinstance(w, Fp4Weight):
+        gs = w.group_size
+        if s % gs or part % gs:
+            raise UnsupportedError(
+                f"{name}: {w.fmt} groups of {gs} do not divide the per-rank input features {part} (tp={tp})"
+            )
+        return Fp4Weight(
+            w.codes[:, s:e], w.scales[:, s // gs : e // gs], w.fmt, w.global_scale, w.shard_sizes, w.bias
+        )
     return DenseWeight(w.weight[:, s:e], w.bias)
 
 
@@ -139,6 +153,19 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
                     )
         return Fp8Weight(
             weight, torch.cat([p.scale for p in fps]), fps[0].strategy, fps[0].block_size, (), bias
+        )
+    if all(isinstance(p, Fp4Weight) for p in parts):
+        fp4s: list[Fp4Weight] = parts  # type: ignore[assignment]
+        if any(p.fmt != fp4s[0].fmt for p in fp4s):
+            raise ConversionError(f"shards {', '.join(names)} mix FP4 encodings")
+        globals_ = [p.global_scale for p in fp4s]
+        return Fp4Weight(
+            torch.cat([p.codes for p in fp4s]),
+            torch.cat([p.scales for p in fp4s]),
+            fp4s[0].fmt,
+            None if any(g is None for g in globals_) else torch.cat([g.reshape(-1) for g in globals_]),  # type: ignore[union-attr]
+            tuple(p.codes.shape[0] for p in fp4s),
+            bias,
         )
     if all(isinstance(p, DenseWeight) for p in parts):
         return DenseWeight(cat_rows([p.weight for p in parts]), bias)  # type: ignore[union-attr]

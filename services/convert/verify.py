@@ -15,6 +15,11 @@ Bounds (named, documented):
   scale (vLLM's requantize_with_max_scale) or casts scales: max |diff| / max |w| <= FP8_REL_BOUND.
 * online FP8 (from bf16/fp16): e4m3 round-to-nearest has relative error <= 2^-4 for normals and a
   negligible absolute error for subnormals, so max |diff| / max |w| <= FP8_REL_BOUND.
+* FP4 (NVFP4 / MXFP4): exact, except where marlin_fp4 stores a block scale as 0 as vLLM's Marlin FP4
+  processing does (s * sf * 2^7 < 2, sf lifting the layer's largest scale above 224 in bf16): those
+  blocks' weights are below 6 * 2^-6 / sf * g, under 2^-13.8 of the largest weight whenever the
+  largest block scale times sf exceeds 224 (always in bf16; in fp16 for amax-normalized checkpoints,
+  whose largest block scale is 448): max |diff| / max |w| <= FP4_MARLIN_FLUSH_REL_BOUND.
 * dense layers: exact unless the kernel casts the dtype (bf16 -> fp16 for sm75, fp32 -> bf16):
   max |diff| / max |w| <= DENSE_CAST_REL_BOUND.
 """
@@ -26,7 +31,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, RowBlocks, SourceWeight, row_block_slices
+from kernels.base import (
+    DenseWeight,
+    Fp4Weight,
+    Fp8Weight,
+    IntWeight,
+    RowBlocks,
+    SourceWeight,
+    row_block_slices,
+)
 from runtime.artifact.manifest import LayerVerification
 
 INT_STEP_BOUND = 0.25
@@ -34,6 +47,7 @@ SCALE_ROUNDING_REL = 2.0**-8  # a scale rounded to bf16 (2^-9 relative) with 2x 
 MIN_ROUNDING_REL = 2.0**-8  # a float minimum rounded to bf16 (2^-9 relative) with 2x slack
 FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding slack
 DENSE_CAST_REL_BOUND = 2.0**-8
+FP4_MARLIN_FLUSH_REL_BOUND = 2.0**-12  # 2^-13.8 (flushed block scales, see above) with slack
 _TINY = 1e-30
 
 
@@ -199,6 +213,8 @@ def compare(
         return _compare_int_rows(blocks, source, act_dtype)
     ref = source.dequantize()
     bound = FP8_REL_BOUND if (online_fp8 or isinstance(source, Fp8Weight)) else DENSE_CAST_REL_BOUND
+    if isinstance(source, Fp4Weight):
+        bound = FP4_MARLIN_FLUSH_REL_BOUND
     return _compare_float_rows(blocks, lambda rows: ref[rows], ref.shape[0], bound, try_exact=True)
 
 

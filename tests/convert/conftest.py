@@ -26,6 +26,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ct-w8a16": ("ct-pack", {"bits": 8}),
     "ct-fp8-channel": ("ct-fp8", {"fp8_strategy": "channel"}),
     "ct-int8": ("ct-int8", {}),
+    "ct-nvfp4": ("ct-nvfp4", {}),
+    "ct-mxfp4": ("ct-mxfp4", {}),
     "fp8-tensor": ("fp8", {}),
     "fp8-block": ("fp8", {"fp8_strategy": "block"}),
     "bf16": ("dense", {}),

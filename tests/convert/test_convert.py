@@ -88,7 +88,7 @@ def _check_reassembly(
 ALL = [
     "gptq-w4-v1-sym", "gptq-w4-v2-asym", "gptq-w4-v1-asym", "gptq-w4-actorder", "gptq-w8-sym",
     "gptq-w4-mislabeled-v2", "awq-gemm", "ct-w4a16-sym", "ct-w4a16-asym", "ct-w4a16-actorder", "ct-w8a16",
-    "ct-fp8-channel", "ct-int8", "fp8-tensor", "bf16-sharded",
+    "ct-fp8-channel", "ct-int8", "ct-nvfp4", "ct-mxfp4", "fp8-tensor", "bf16-sharded",
 ]  # fmt: skip
 
 

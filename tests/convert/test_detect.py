@@ -86,7 +86,8 @@ _CT_NVFP4 = {
     "config_groups": {
         "g": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+            # NVFP4 is groups of 16 (vLLM's rule): groups of 32 are no FP4 layout vLLM runs
+            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 32},
         }
     },
 }

@@ -46,6 +46,8 @@ VOLATILE = ("created_at", "kiln_version")
 # cpu_w8a8): every manifest lists them where they were tried and rejected; ct-int8-cpu declares
 # dynamic per-token int8 activations, so its layers moved from cpu_int8 to cpu_w8a8 (fp32 scales):
 # its id, config.json and rank file changed; every other rank file and id hashed as before.
+# Re-recorded for the FP4 kernels (marlin_fp4, cpu_fp4): manifests list them where they were tried and
+# rejected; every id and every other file hashed as before.
 GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
     "awq-sm86": (
         "ka-ac0fa56edf1b0b0109461cbfb47e70b8",
@@ -54,7 +56,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6481a8474360de3ee5ace55228668263b001250f5414866665a7f9aa76bf4575",
         },
-        "c2ee3526bca3e482390a6530f3b073fe43921b9ebf28c9aeb2a6fd9b4fd28a96",
+        "f5749c0c13d66cf527d304934858a37819112c6df416a7a2ed090de5ab063c1e",
     ),
     "bf16-cpu": (
         "ka-cf13b7df242e17f0ce87b0e6160629e5",
@@ -63,7 +65,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "e66f132ea3402947b47bac88cc07e77cc1e5280a55e7e0a73867bd30267ff3fe",
+        "16bc8df0f1a969191146fcd5e62a7ea3103275d42114fa7e9f06580adb6a7021",
     ),
     "bf16-online-fp8-block-sm90": (
         "ka-688bb92963cc77683ec180159a0a5536",
@@ -72,7 +74,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "0bff195a4a2425cc4c966f7f8369cf4ac0aa01f6bc550ac7f820046d5d52c6c1",
+        "778cc5abe0e7949a3cb311c1d9f567e85f98bef2a0962fa1245c3978feafa020",
     ),
     "bf16-online-fp8-channel-cpu-tp2": (
         "ka-c465615c11b05c2584d506abb3769ece",
@@ -82,7 +84,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "0cacaa08d507f3357ef39e5ee88bf89e9a6dca7900f16073e64b80472180ba61",
+        "490e61b30ba6c2a0e6a45f87383d1ec01f95382daea292eea4853ffbfd4ff483",
     ),
     "ct-fp8-channel-sm90": (
         "ka-977641b5c6484e4f118257781f6b0f43",
@@ -91,7 +93,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ae4d4f0f866d28f8d2feb7e68131c1ff61333a6e0288960c12649495f6c44cb7",
         },
-        "1d625456162b330ddd405a44bbdb0cc6955bf110c30f7bcd651f7fda507053f7",
+        "8c6cb4b5eac59b183e82532c9f8815860659844870632d335c89422b0f47d2ce",
     ),
     "ct-int8-cpu": (
         "ka-fd4b8b37f02ee15c87bfb75425ddab3f",
@@ -100,7 +102,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "1f84b41adcec155ae35734536612c7f30d8f9e3c074d93e9406ac8b0fd898ccb",
         },
-        "170d7235adff4b7dae50f7596992013b98d285a5f9688145c06586aa7b9cb43f",
+        "eeea972f421ebf8aa29a1074b1149878137386f0a35dffddf1f3c231230b6994",
     ),
     "ct-w8a16-sm90": (
         "ka-45af177d9859d6543090386a710ee3d2",
@@ -109,7 +111,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "c1c34b84965ec46ae617135477557988d1306ae9fab0a875eeab316ce3763e47",
         },
-        "c9832df39e714dc646ef7b944de860e57a12d40b50fb615964c3460d9ec5b33c",
+        "bcd543b1996d937bc30769b1e344c0a2ccb8a02ff1a62bc32f38169fe8428c42",
     ),
     "fp8-block-sm89": (
         "ka-01f6a58482df1c3488687267d19921c3",
@@ -118,7 +120,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "be622dc127d84502248dac18c951844733891a91ae3f66c7d4e0a3826f597cff",
+        "1ef8d66f3611e26df4341b49907282e2da5499d99018d1f822fb9b13aaa78000",
     ),
     "fp8-tensor-cpu": (
         "ka-b3e9e1e303c1f0a9501905f5b6204959",
@@ -127,7 +129,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "c28b8f17b065eeaefe4623a1ac94c4d976e78fa9c16d13c488bcb683d959a552",
+        "ef00ab68b30f2d2786c772d4f3be0871584141c4e890a6016ddc8a3dd69c7bd2",
     ),
     "fp8-tensor-sm80": (
         "ka-5b4ab84727511955b97b6ebdb7e43ace",
@@ -136,7 +138,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ef331ab737201ee823a3916d9ec31cac4a8c35b73407ee78149a702b23eeb79f",
         },
-        "7629c1527c90afd7f489d90352814c670bba097cf91c605e3556b7b1df4e93ad",
+        "31c54768382bdaba47e525a89ddc22b7f019b2d25a251e9dab7000ce7a000cf3",
     ),
     "gptq-actorder-sm80": (
         "ka-7594563bb9504ece340365b974e4d1fc",
@@ -145,7 +147,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "97efe509531b44176bb120c250e281dc33564f906c79f73f77636e9ef374cc75",
         },
-        "93251bc91e2292c9ded9a93cc87458379c430319eaded5186db28ffc78ef0014",
+        "eaef63b2746acd531347893577099b8478325bfd98b0a4a9ecf460dbcd6c2778",
     ),
     "gptq-asym-sm75": (
         "ka-e7b0f7d16cbfcc22dfec9272ed9106fd",
@@ -164,7 +166,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "67d852d990fc557d5fb0121315ad6c38f5d9cc8caff0323513ac9e23a0ae7730",
             "rank1.safetensors": "1e87616a71da745e4da9a90701d652a3b386f8f50102ddfb1cf7c433668b522e",
         },
-        "5d935d5bdb4eba22dd36a41ba3996defc8145fd5d5f8dfab6fa70ef8e0530794",
+        "8474ea134886f321575b56df04b1d692baa5963bb7ca63d5829d24a063bc1fe7",
     ),
 }
 

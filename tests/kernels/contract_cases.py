@@ -22,6 +22,8 @@ import torch
 
 from kernels.base import (
     DenseWeight,
+    Fp4Format,
+    Fp4Weight,
     Fp8Strategy,
     Fp8Weight,
     LinearKernel,
@@ -69,6 +71,7 @@ class Variant:
     shard_scales: bool = False
     # A float minimum per group instead of integer zero points (GGUF Q4_1 / Q4_K; symmetric=False).
     float_zeros: bool = False
+    fp4_format: Fp4Format | None = None
 
     def spec(
         self, n: int, k: int, act_dtype: str, *, name: str, shards: tuple[ShardSpec, ...], bias: bool
@@ -90,6 +93,7 @@ class Variant:
             int8_activations=self.int8_activations,
             shards=shards,
             float_zeros=self.float_zeros,
+            fp4_format=self.fp4_format,
         )
 
     def weight(self, n: int, k: int, *, shards: tuple[ShardSpec, ...], bias: bool, seed: int) -> SourceWeight:
@@ -115,6 +119,8 @@ class Variant:
             fw = self._fp8_weight(n, k, shards, seed)
             fw.bias = _bias(n, seed) if bias else None
             return fw
+        if self.scheme == "fp4":
+            return self._fp4_weight(n, k, shards, seed, bias)
         gen = torch.Generator().manual_seed(seed)
         if self.exact:  # integers of 8 significant bits times a power of two: bf16 = fp16 = fp32
             dense = (torch.randint(-128, 128, (n, k), generator=gen) * 2.0**-10).to(torch.bfloat16)
@@ -144,6 +150,24 @@ class Variant:
         if len(sizes) > 1:  # shards scaled by different powers of two: their scales surely differ
             scale = scale * 2.0 ** torch.arange(len(sizes), dtype=torch.float32)
         return Fp8Weight(codes, scale, self.fp8_strategy, block_size=self.block_size, shard_sizes=sizes)
+
+    def _fp4_weight(self, n: int, k: int, shards: tuple[ShardSpec, ...], seed: int, bias: bool) -> Fp4Weight:
+        """Random E2M1 codes (every code, -0 included); NVFP4: positive E4M3 block scales over the
+        whole range a quantizer writes (448 * amax_block / amax_tensor, subnormals included) and one
+        fp32 global multiplier per shard (shards of one fused layer share it, as llm-compressor and
+        ModelOpt write them); MXFP4: E8M0 exponents around 2^-7."""
+        assert self.fp4_format is not None
+        gen = torch.Generator().manual_seed(seed)
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        groups = k // (16 if self.fp4_format == "nvfp4" else 32)
+        b = _bias(n, seed) if bias else None
+        if self.fp4_format == "mxfp4":
+            scales = torch.randint(120, 124, (n, groups), generator=gen, dtype=torch.uint8)
+            return Fp4Weight(codes, scales, "mxfp4", bias=b)
+        scales = (torch.rand(n, groups, generator=gen) * 448).clamp_min(2.0**-9).to(torch.float8_e4m3fn)
+        sizes = tuple(s.size for s in shards) if len(shards) > 1 else ()
+        g = torch.full((max(len(sizes), 1),), 1.0 / 3 * 2.0**-8)  # amax / (6 * 448)-like, not a power of 2
+        return Fp4Weight(codes, scales, "nvfp4", g, sizes, b)
 
 
 def exact_scales(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -184,6 +208,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fp8-block128", "fp8", bits=8, fp8_strategy="block", block_size=(128, 128)),
     Variant("fp8-block48x64", "fp8", bits=8, fp8_strategy="block", block_size=(48, 64)),
     Variant("fp8-channel-fp32scales", "fp8", exact=False, bits=8, fp8_strategy="channel"),
+    Variant("nvfp4", "fp4", bits=4, group_size=16, fp4_format="nvfp4"),
+    Variant("mxfp4", "fp4", bits=4, group_size=32, fp4_format="mxfp4"),
     Variant("dense", "dense"),
     Variant("dense-fp32", "dense", exact=False),
     Variant("int4-g32-floatmin", "int", bits=4, group_size=32, symmetric=False, float_zeros=True),

@@ -9,7 +9,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.base import CPU_ACT_DTYPES, DenseWeight, LinearKernel, LinearSpec, SourceWeight, Target
+from kernels.base import (
+    CPU_ACT_DTYPES,
+    DenseWeight,
+    Fp4Weight,
+    LinearKernel,
+    LinearSpec,
+    SourceWeight,
+    Target,
+)
+from kernels.cpu_fp4 import CpuFp4Kernel
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
 from kernels.cpu_int8 import CpuInt8Kernel
@@ -47,12 +56,24 @@ def _fp8() -> tuple[LinearKernel, SourceWeight, LinearSpec]:
     return CpuFp8Kernel(), w, fp8_spec(w)
 
 
+def _fp4() -> tuple[LinearKernel, SourceWeight, LinearSpec]:
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(N, K // 16, generator=gen) * 0.01 + 0.001).to(torch.float8_e4m3fn)
+    w = Fp4Weight(codes, scales, "nvfp4", torch.tensor([1.5]))
+    spec = LinearSpec(
+        name="model.layers.0.mlp.down_proj", scheme="fp4", n=N, k=K, bits=4, group_size=16, fp4_format="nvfp4"
+    )
+    return CpuFp4Kernel(), w, spec
+
+
 CPU_CASES = {
     "dense": _dense,
     "cpu_int4": _int(4, CpuInt4Kernel()),
     "cpu_int8": _int(8, CpuInt8Kernel()),
     "cpu_w8a8": _int(8, CpuW8A8Kernel(), int8_activations=True),
     "cpu_fp8": _fp8,
+    "cpu_fp4": _fp4,
 }
 
 

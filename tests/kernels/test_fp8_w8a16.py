@@ -137,7 +137,7 @@ def test_can_implement_and_refusals() -> None:
         assert KERNEL.can_implement(bf16, target) == (True, "")
     assert KERNEL.can_implement(fp16, Target.SM75) == (True, "")
     refusals = [
-        (bf16, Target.SM75, "--dtype float16"),
+        (bf16, Target.SM75, "needs act_dtype float16"),
         (bf16, Target.CPU, "cpu_fp8"),
         (replace(bf16, scheme="int", bits=4, group_size=64), Target.SM80, "scheme 'int'"),
         (replace(bf16, act_dtype="float32"), Target.SM80, "float32"),

@@ -40,6 +40,8 @@ INT8_CHANNEL = spec(bits=8, group_size=-1)
 INT8_W8A8 = spec(bits=8, group_size=-1, int8_activations=True)  # int8 activations declared
 FP8 = spec("fp8", bits=8, group_size=-1, fp8_strategy="channel")
 DENSE = spec("dense", bits=16, group_size=-1)
+FP4 = spec("fp4", group_size=16, fp4_format="nvfp4")
+ALL_CPU_QUANTIZED = ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8"]
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +58,7 @@ def test_every_target_has_a_priority_list_of_known_kernels_ending_in_dense() -> 
         assert set(names) <= set(registry.BUILTIN_KERNELS), target
         assert names[-1] == "dense", target
         assert len(set(names)) == len(names), target
-    assert registry.PRIORITY[Target.CPU] == ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8", "dense")
+    assert registry.PRIORITY[Target.CPU] == EXPECTED_PRIORITY[Target.CPU]
     assert registry.PRIORITY[Target.SM90][0] == "fp8_w8a8"  # fp8 tensor cores first where they exist
     assert "fp8_w8a8" not in registry.PRIORITY[Target.SM80]
     assert "marlin_wna16" not in registry.PRIORITY[Target.SM75]
@@ -76,11 +78,12 @@ def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -
         (INT4, "cpu_int4", []),
         (INT8_CHANNEL, "cpu_int8", ["cpu_int4", "cpu_w8a8"]),
         (INT8_W8A8, "cpu_w8a8", ["cpu_int4"]),
-        (FP8, "cpu_fp8", ["cpu_int4", "cpu_w8a8", "cpu_int8"]),
-        (DENSE, "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
-        (INT8_GROUPED, "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
-        (spec(n=40), "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),  # N % 16: int4 pack refuses
-        (spec(bits=3), "dense", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]),
+        (FP8, "cpu_fp8", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4"]),
+        (DENSE, "dense", ALL_CPU_QUANTIZED),
+        (INT8_GROUPED, "dense", ALL_CPU_QUANTIZED),
+        (spec(n=40), "dense", ALL_CPU_QUANTIZED),  # N % 16: the int4 pack refuses
+        (spec(bits=3), "dense", ALL_CPU_QUANTIZED),
+        (FP4, "cpu_fp4", ["cpu_int4", "cpu_w8a8", "cpu_int8"]),
     ],
 )
 def test_cpu_choose_first_fit_and_record_rejections(
@@ -123,7 +126,7 @@ def test_disabled_kernels_from_settings_are_skipped_with_a_reason() -> None:
     assert choice.kernel.name == "dense"
     reasons = dict(choice.rejected)
     assert reasons["cpu_int4"] == "disabled by KILN_DISABLED_KERNELS"
-    assert list(reasons) == ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8"]
+    assert list(reasons) == ALL_CPU_QUANTIZED
 
 
 def test_disabled_kernels_env_var_is_csv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,13 +225,14 @@ def test_plugin_reusing_a_builtin_name_is_refused(
 
 # Today's priority rows, written out: the derived lists (KERNELS filtered by each kernel's targets)
 # must equal them exactly.
+_AMPERE = ("int8_w8a8", "marlin_wna16", "marlin_fp4", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense")
 EXPECTED_PRIORITY = {
-    Target.SM90: ("fp8_w8a8", "int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM89: ("fp8_w8a8", "int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM86: ("int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
-    Target.SM80: ("int8_w8a8", "marlin_wna16", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense"),
+    Target.SM90: ("fp8_w8a8", *_AMPERE),
+    Target.SM89: ("fp8_w8a8", *_AMPERE),
+    Target.SM86: _AMPERE,
+    Target.SM80: _AMPERE,
     Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
-    Target.CPU: ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp8", "dense"),
+    Target.CPU: ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8", "dense"),
 }
 THROWAWAY_KERNEL = """
 import torch

@@ -73,13 +73,21 @@ CELLS: dict[str, tuple[str, str, str | None]] = {
     "mixtral-gptq-w4a16": ("mixtral_gptq", "auto", "cpu_int4_experts"),
     "mixtral-fp8-dynamic": ("mixtral_fp8_dynamic", "auto", "cpu_fp8_experts"),
     "mixtral-fp8-block": ("mixtral_fp8_block", "auto", "cpu_fp8_experts"),
+    "llama-nvfp4a16": ("llama_nvfp4a16", "auto", None),
+    "llama-nvfp4-w4a4": ("llama_nvfp4", "auto", None),
+    "llama-mxfp4a16": ("llama_mxfp4a16", "auto", None),
+    "qwen3-moe-nvfp4a16": ("qwen3_moe_nvfp4a16", "auto", "cpu_fp4_experts"),
+    "qwen3-moe-nvfp4-w4a4": ("qwen3_moe_nvfp4", "auto", "cpu_fp4_experts"),
+    "qwen3-moe-mxfp4a16": ("qwen3_moe_mxfp4a16", "auto", "cpu_fp4_experts"),
 }
+FP4_CELLS = [name for name in CELLS if "fp4" in name]
 # Served over HTTP and decoded with an FP8 KV cache: each architecture and kind of source once.
 SERVED_CELLS = [
     "qwen3-dense-bf16",
     "qwen3-moe-gptq-w4a16",
     "mixtral-fp8-dynamic",
     "qwen3-moe-bf16-online-fp8",
+    "qwen3-moe-nvfp4a16",
 ]
 
 
@@ -233,6 +241,55 @@ def test_logits_match_transformers(cell: Cell) -> None:
         decided_all.append(decided)
     decided_cat = torch.cat(decided_all)
     assert decided_cat.float().mean().item() >= MIN_DECIDED_FRACTION, "too many router near-ties to judge"
+
+
+# FP4 acceptance: mean |Δ| of prompt log-probabilities against transformers fp32 on the dequantized
+# weights; an MoE model also against a control that routes every token to the wrong experts.
+FP4_DENSE_MEAN_LOGPROB_ATOL = 0.05
+FP4_MOE_MEAN_LOGPROB_ATOL = 0.08
+FP4_MOE_CONTROL_FRACTION = 0.2
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """(T-1,) log-probability of each prompt token after the first, from (T, V) logits."""
+    return torch.log_softmax(logits.float(), -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+def _wrong_routing(reference: Any) -> Any:
+    """A copy of the reference whose routers' expert rows are rolled by one: every token goes to
+    other experts than it should."""
+    import copy
+
+    control = copy.deepcopy(reference)
+    for name, module in control.named_modules():
+        if name.endswith((".mlp.gate", ".block_sparse_moe.gate")):
+            module.weight.data = module.weight.data.roll(1, 0)
+    return control
+
+
+@pytest.mark.parametrize("name", FP4_CELLS)
+@torch.inference_mode()
+def test_fp4_prompt_logprobs_match_transformers(name: str, cells: Callable[[str], Cell]) -> None:
+    cell = cells(name)
+    logits_fn = runtime_logits_fn(cell.loaded)
+    moe = bool(cell.loaded.manifest.expert_groups)
+    control = _wrong_routing(cell.reference) if moe else None
+    diffs, control_diffs = [], []
+    for ids in PROMPTS:
+        want = _prompt_logprobs(cell.reference_logits(ids)[0], ids)
+        diffs.append((_prompt_logprobs(logits_fn(torch.tensor([ids]))[0], ids) - want).abs())
+        if control is not None:
+            control_logits = control(torch.tensor([ids])).logits[0]
+            control_diffs.append((_prompt_logprobs(control_logits, ids) - want).abs())
+    mean = torch.cat(diffs).mean().item()
+    if not moe:
+        print(f"\n{name}: mean |Δ logprob| {mean:.4f}")
+        assert mean <= FP4_DENSE_MEAN_LOGPROB_ATOL, mean
+        return
+    control_mean = torch.cat(control_diffs).mean().item()
+    print(f"\n{name}: mean |Δ logprob| {mean:.4f}, wrong-routing control {control_mean:.4f}")
+    assert mean <= FP4_MOE_MEAN_LOGPROB_ATOL, mean
+    assert mean <= FP4_MOE_CONTROL_FRACTION * control_mean, (mean, control_mean)
 
 
 @torch.inference_mode()

@@ -165,11 +165,40 @@ def _kiln_prompt_logprobs(path: Path) -> list[float]:
     return [float(logprobs[i, PROMPT_IDS[i + 1]]) for i in range(len(PROMPT_IDS) - 1)]
 
 
+# FP4 (llm-compressor NVFP4A16 / MXFP4A16 of the Qwen3-MoE source, bf16): vLLM's CPU build has no
+# NVFP4 / MXFP4 kernel for the original checkpoints; the plugin serves their CPU artifacts (cpu_fp4).
+FP4_SCHEMES = ("nvfp4-a16", "mxfp4-a16")
+VLLM_CPU_FP4_ERRORS = {
+    "nvfp4-a16": "Marlin FP4 not available",
+    "mxfp4-a16": "Failed to find a kernel that can implement the MXFP4 linear layer",
+}
+
+
+def fp4_paths(scheme: str) -> tuple[Path, Path]:
+    """(original checkpoint, CPU artifact) of an FP4 Qwen3-MoE."""
+    from devtools.builders import moe, smollm2
+
+    source = moe.build_quantized(moe.build_source("qwen3-moe-marlin"), scheme)
+    return source, smollm2.build_artifact(source, "cpu")
+
+
+def fp4_jobs() -> list[dict[str, Any]]:
+    jobs = []
+    for scheme in FP4_SCHEMES:
+        source, art = fp4_paths(scheme)
+        common = {"dtype": "bfloat16", "prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS}
+        jobs.append({"id": f"fp4-art:{scheme}", "model": str(art), **common})
+        jobs.append({"id": f"fp4-src:{scheme}", "model": str(source), "load_format": "auto", **common})
+    return jobs
+
+
 def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
-    """The head-dtype override, and an artifact for another target (refused before any read)."""
+    """The head-dtype override, an artifact for another target (refused before any read), and the
+    FP4 artifacts with their originals."""
     gpu_source = write_checkpoint(tmp / "gpu-src", "gptq")
     gpu_artifact = convert(ConversionRequest(str(gpu_source), ["sm80"], out=str(tmp / "gpu-out")))[0].uri
     return [
+        *fp4_jobs(),
         {
             "id": "head-fp32", "model": str(artifact("gptq", "float32")), "dtype": "bfloat16",
             "hf_overrides": {"head_dtype": "float32"}, "prompt_token_ids": PROMPT_IDS,
@@ -281,6 +310,24 @@ def test_a_head_dtype_override_runs_the_lm_head_in_it(matrix: MatrixRun) -> None
     assert (run["dtype"], run["head_dtype"]) == ("bfloat16", "float32")
     plain = matrix.result("art", "gptq", "float32", "bfloat16")["prompt_logprobs"]
     assert _mean(run["prompt_logprobs"], plain) <= KILN_SERVE_MEAN_ATOL["bfloat16"]
+
+
+@pytest.mark.parametrize("scheme", FP4_SCHEMES)
+def test_vllm_serves_an_fp4_artifact_it_cannot_serve_from_the_original(
+    scheme: str, matrix: MatrixRun
+) -> None:
+    """The plugin runs Kiln's cpu_fp4 expert and linear kernels inside vLLM on the artifact's bytes
+    (views of the mapping); vLLM's CPU build refuses the original FP4 checkpoint."""
+    art = matrix.vllm[f"fp4-art:{scheme}"]
+    assert art["ok"], art["error"]
+    assert len(art["output_token_ids"]) == MAX_TOKENS
+    _report_is_views_and_casts(art["report"])
+    kiln = _kiln_prompt_logprobs(fp4_paths(scheme)[1])
+    vs_kiln = _mean(art["prompt_logprobs"], kiln)
+    original = matrix.vllm[f"fp4-src:{scheme}"]
+    print(f"{scheme}: vLLM plugin vs kiln serve mean {vs_kiln:.4f}; original: {original['error'][-300:]}")
+    assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
+    assert not original["ok"] and VLLM_CPU_FP4_ERRORS[scheme] in original["error"]
 
 
 def test_an_artifact_for_a_gpu_is_refused_before_a_weight_is_read(matrix: MatrixRun) -> None:

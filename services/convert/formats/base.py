@@ -7,6 +7,7 @@ Built-ins: gptq, awq, fp8 (Fp8Config), compressed-tensors, dense. Third-party fo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -14,7 +15,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from kernels.base import DenseWeight, Fp8Weight, IntWeight, SourceWeight
+from kernels.base import (
+    E8M0_NAN,
+    FP4_GROUP_SIZE,
+    DenseWeight,
+    Fp4Format,
+    Fp4Weight,
+    Fp8Weight,
+    IntWeight,
+    SourceWeight,
+    weight_shape,
+)
 from kernels.errors import KilnError, LayoutError, UnsupportedError
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
 
@@ -22,14 +33,16 @@ if TYPE_CHECKING:
     from runtime.model_layout import LinearLayout
     from services.convert.checkpoint import Checkpoint
 
-Scheme = Literal["int", "fp8", "dense"]
+Scheme = Literal["int", "fp8", "fp4", "dense"]
+FP4_ENCODINGS = {"nvfp4": "E2M1 + E4M3/16 + fp32 global", "mxfp4": "E2M1 + E8M0/32"}
 
 SUPPORTED_FORMATS_MESSAGE = (
     "Kiln supports: GPTQ (2/4/8-bit, checkpoint_format gptq or gptq_v2, sym/asym, act-order), "
     "AWQ-GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16/W8A16 (sym/asym, "
     "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8 (W8A16, or W8A8 "
-    "with dynamic per-token int8 activations), Fp8Config FP8 (per-tensor or block), and unquantized "
-    "bf16/fp16/fp32 checkpoints (optionally quantized to FP8 online with --method fp8)"
+    "with dynamic per-token int8 activations), Fp8Config FP8 (per-tensor or block), NVIDIA ModelOpt "
+    "FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / NVFP4 / W4A16_NVFP4 (and MIXED_PRECISION of those), "
+    "and unquantized bf16/fp16/fp32 checkpoints (optionally quantized to FP8 online with --method fp8)"
 )
 
 
@@ -46,10 +59,20 @@ class LayerQuant:
     block_size: tuple[int, int] | None = None
     int8_activations: bool = False  # the checkpoint declares dynamic per-token symmetric int8 inputs
     float_zeros: bool = False  # a float minimum per group (w = q * s + m), not an integer zero point
+    fp4_format: Fp4Format | None = None
+    fp4_activations: bool = False  # a W4A4 checkpoint (FP4 activations declared)
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The `kernels.base.LinearSpec` fields this quantization sets (each field has one name in both)."""
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         if self.scheme == "dense":
             return "dense"
+        if self.scheme == "fp4":
+            assert self.fp4_format is not None
+            acts = ", W4A4 source: activations run 16-bit" if self.fp4_activations else ""
+            return f"{self.fp4_format} ({FP4_ENCODINGS[self.fp4_format]}{acts})"
         if self.scheme == "fp8":
             extra = f" {self.block_size[0]}x{self.block_size[1]}" if self.block_size else ""
             return f"fp8 {self.fp8_strategy}{extra}"
@@ -76,13 +99,40 @@ def _bad(module: str, what: str) -> TensorLayoutError:
     )
 
 
+def fp4_quant(fmt: Fp4Format, *, fp4_activations: bool = False) -> LayerQuant:
+    """The LayerQuant of an FP4 layer."""
+    return LayerQuant(
+        "fp4", bits=4, group_size=FP4_GROUP_SIZE[fmt], fp4_format=fmt, fp4_activations=fp4_activations
+    )
+
+
+def _check_fp4(module: str, w: Fp4Weight, n: int, k: int) -> None:
+    gs = w.group_size
+    if k % gs:
+        raise _bad(module, f"{w.fmt} groups of {gs} do not divide K={k}")
+    if tuple(w.scales.shape) != (n, k // gs):
+        raise _bad(module, f"{w.fmt} scales are {tuple(w.scales.shape)}, expected (N={n}, K/{gs}={k // gs})")
+    want = torch.float8_e4m3fn if w.fmt == "nvfp4" else torch.uint8
+    if w.scales.dtype != want:
+        raise _bad(module, f"{w.fmt} scales must be {want}, got {w.scales.dtype}")
+    if w.codes.dtype != torch.uint8:
+        raise _bad(module, f"FP4 codes must be uint8, got {w.codes.dtype}")
+    if w.fmt == "nvfp4":
+        shards = len(w.shard_sizes) or 1
+        if w.global_scale is None or w.global_scale.numel() != shards:
+            got = None if w.global_scale is None else tuple(w.global_scale.shape)
+            raise _bad(module, f"NVFP4 needs one global scale per shard ({shards}), got {got}")
+
+
 def _check_shapes(module: str, w: SourceWeight) -> None:
     """The canonical weight's tensors agree with each other (see kernels.base for the shapes)."""
-    main = w.codes if isinstance(w, IntWeight) else w.weight
+    main = w.codes if isinstance(w, IntWeight | Fp4Weight) else w.weight
     if main.dim() != 2:
         raise _bad(module, f"weight must be 2-D (N, K), got {tuple(main.shape)}")
-    n, k = main.shape
-    if isinstance(w, IntWeight):
+    n, k = weight_shape(w)
+    if isinstance(w, Fp4Weight):
+        _check_fp4(module, w, n, k)
+    elif isinstance(w, IntWeight):
         gs = w.group_size
         if gs > 0 and k % gs:
             raise _bad(module, f"group_size {gs} does not divide K={k}")
@@ -122,6 +172,9 @@ def _check_shapes(module: str, w: SourceWeight) -> None:
 
 def _check_scales(module: str, w: SourceWeight) -> None:
     """Scales must be finite (FP8 scales also non-zero): a NaN / inf / 0 scale makes the layer garbage."""
+    if isinstance(w, Fp4Weight):
+        _check_fp4_scales(module, w)
+        return
     if isinstance(w, Fp8Weight):
         scale, name, zero_ok = w.scale, "weight scale", False
     elif isinstance(w, IntWeight):
@@ -137,6 +190,29 @@ def _check_scales(module: str, w: SourceWeight) -> None:
             f"layer {module}: {int(bad.sum())} {what} {name} (first at index {first}: {s[first].item()}); "
             "the checkpoint is corrupt — re-quantize or re-export it"
         )
+
+
+def _check_fp4_scales(module: str, w: Fp4Weight) -> None:
+    """Block scales finite (an E8M0 byte 255 is NaN), global scales finite and non-zero."""
+    if w.fmt == "mxfp4":
+        bad = w.scales == E8M0_NAN
+        what = "E8M0 scale bytes of 255 (NaN)"
+    else:
+        bad = ~torch.isfinite(w.scales.float())
+        what = "non-finite E4M3 scales"
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise TensorLayoutError(
+            f"layer {module}: {int(bad.sum())} {what} (first at index {first}); the checkpoint is "
+            "corrupt — re-quantize or re-export it"
+        )
+    if w.global_scale is not None:
+        g = w.global_scale.float()
+        if not bool(torch.isfinite(g).all()) or bool((g == 0).any()):
+            raise TensorLayoutError(
+                f"layer {module}: NVFP4 global scale {g.tolist()} is not finite and non-zero; the "
+                "checkpoint is corrupt — re-quantize or re-export it"
+            )
 
 
 def _as_int(v: object) -> int | None:

@@ -1,7 +1,10 @@
 """compressed-tensors checkpoints (llm-compressor; docs/formats.md §3, vLLM's CompressedTensorsConfig rules).
 
 Supported schemes: pack-quantized int 4/8-bit weight-only (group/channel, sym/asym, actorder
-"group"), float-quantized FP8 weights (tensor/channel/block; activation settings are dropped, the
+"group"), FP4 (nvfp4-pack-quantized: float 4-bit, strategy tensor_group, group 16, E4M3 scales and a
+global scale stored as a divisor; mxfp4-pack-quantized: float 4-bit, strategy group, group 32, E8M0
+scale bytes; chosen by the weight args as vLLM does, W4A4 activations run 16-bit), float-quantized
+FP8 weights (tensor/channel/block; activation settings are dropped, the
 kernels quantize activations dynamically) and int-quantized / naive-quantized int8 weights: W8A8 with
 dynamic per-token symmetric int8 activations where the config declares them (SmoothQuant-style W8A8;
 weight-only kernels run such layers as W8A16), else W8A16. `ignore` entries are exact names or
@@ -17,8 +20,9 @@ from typing import Any
 
 import torch
 
-from kernels.base import Fp8Weight, SourceWeight
+from kernels.base import Fp4Format, Fp4Weight, Fp8Weight, SourceWeight
 from kernels.codecs.compressed_tensors import decode_int_quantized, decode_pack_quantized
+from kernels.codecs.fp4 import unpack_fp4
 from kernels.errors import UnsupportedError
 from runtime.model_layout import LinearLayout
 from services.convert.checkpoint import Checkpoint
@@ -31,6 +35,7 @@ from services.convert.formats.base import (
     cfg_dict,
     cfg_int,
     cfg_list,
+    fp4_quant,
 )
 from services.convert.formats.gptq import with_explicit_g_idx
 from services.convert.patterns import REGEX_PREFIX, NameMatcher, PatternCompiler
@@ -39,6 +44,7 @@ PACKED = "pack-quantized"
 FLOAT = "float-quantized"
 INT = "int-quantized"
 NAIVE = "naive-quantized"
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 # Fields of compressed-tensors' QuantizationArgs / QuantizationScheme (both pydantic extra="forbid").
 ARGS_FIELDS = frozenset(
     {
@@ -75,6 +81,17 @@ def _forbid_extra(obj: dict[str, Any], allowed: frozenset[str], where: str, mode
             f"{where}: unknown key(s) {', '.join(map(repr, extra))} (compressed-tensors {model} "
             f"forbids extra fields; allowed: {', '.join(sorted(allowed))}); fix the config"
         )
+
+
+def _fp4_format(strategy: str, group_size: object, symmetric: bool) -> Fp4Format | None:
+    """vLLM's rules: NVFP4 is tensor_group / 16, MXFP4 is group / 32, both symmetric."""
+    if not symmetric:
+        return None
+    if strategy == "tensor_group" and group_size == 16:
+        return "nvfp4"
+    if strategy == "group" and group_size == 32:
+        return "mxfp4"
+    return None
 
 
 class CompressedTensorsFormat(CheckpointFormat):
@@ -146,6 +163,11 @@ class CompressedTensorsFormat(CheckpointFormat):
             f"{', activations ' + str(g.input_activations.get('type')) if g.input_activations else ''}) "
             f"is not supported. {SUPPORTED_FORMATS_MESSAGE}"
         )
+        if typ == "float" and bits == 4:
+            fmt = _fp4_format(strategy, gs if strategy == "group" else w.get("group_size"), sym)
+            if fmt is None or g.format not in FP4_FORMATS:
+                raise unsupported
+            return fp4_quant(fmt, fp4_activations=self._fp4_activations(g, fmt))
         if g.format == PACKED:
             if (
                 typ != "int"
@@ -174,6 +196,19 @@ class CompressedTensorsFormat(CheckpointFormat):
                 raise unsupported
             return LayerQuant("int", bits=8, group_size=gs, symmetric=sym, int8_activations=self._w8a8(g))
         raise unsupported
+
+    def _fp4_activations(self, g: _Group, fmt: Fp4Format) -> bool:
+        """Whether the group declares quantized activations (W4A4 / W4A8): they run 16-bit on every
+        target Kiln has (no FP4 math below Blackwell; vLLM runs them through Marlin the same way)."""
+        acts = g.input_activations
+        if not acts:
+            return False
+        kind = f"{acts.get('type', 'float')}{acts.get('num_bits', '?')}"
+        self.notes.append(
+            f"group {g.name}: {fmt} weights with {kind} activations declared; activations run 16-bit "
+            "(W4A16) on this target, as vLLM's Marlin FP4 path runs them"
+        )
+        return True
 
     def _w8a8(self, g: _Group) -> bool:
         """Whether the group's int8 activations can run as declared: dynamic, per token, symmetric
@@ -225,6 +260,9 @@ class CompressedTensorsFormat(CheckpointFormat):
     def source_tensors(self, module: str, lq: LayerQuant) -> list[str]:
         if lq.scheme == "dense":
             return super().source_tensors(module, lq)
+        if lq.scheme == "fp4":
+            scales = ["weight_scale", "weight_global_scale"] if lq.fp4_format == "nvfp4" else ["weight_scale"]
+            return self._present(module, lq, ["weight_packed", *scales], [])
         packed = self.ckpt.has(f"{module}.weight_packed")
         main = "weight_packed" if packed else "weight"
         required = [main, "weight_scale"]
@@ -233,6 +271,11 @@ class CompressedTensorsFormat(CheckpointFormat):
         if lq.act_order:
             required.append("weight_g_idx")
         optional = ["weight_zero_point", "weight_g_idx", "weight_shape"] if packed else ["weight_zero_point"]
+        return self._present(module, lq, required, optional)
+
+    def _present(self, module: str, lq: LayerQuant, required: list[str], optional: list[str]) -> list[str]:
+        """The layer's tensors: every `required` suffix (else a ConversionError naming the missing
+        ones), the `optional` ones the checkpoint has, and its bias."""
         missing = [s for s in required if not self.ckpt.has(f"{module}.{s}")]
         if missing:
             raise ConversionError(
@@ -247,6 +290,18 @@ class CompressedTensorsFormat(CheckpointFormat):
         return names
 
     def decode_quantized(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
+        if lq.scheme == "fp4":
+            assert lq.fp4_format is not None
+            divisor = tensors.get(f"{module}.weight_global_scale")
+            # compressed-tensors stores NVFP4's global scale as a divisor; Kiln keeps the multiplier
+            # vLLM computes from it (1 / divisor in fp32)
+            multiplier = None if divisor is None else (1.0 / divisor.float()).reshape(1)
+            return Fp4Weight(
+                unpack_fp4(tensors[f"{module}.weight_packed"]),
+                tensors[f"{module}.weight_scale"],
+                lq.fp4_format,
+                multiplier,
+            )
         if lq.scheme == "fp8":
             weight = tensors[f"{module}.weight"]
             scale = tensors[f"{module}.weight_scale"].float()

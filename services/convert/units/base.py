@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from kernels.base import DenseWeight, IntWeight, SourceWeight, StoredTensor, Target
+from kernels.base import DenseWeight, SourceWeight, StoredTensor, Target, weight_shape
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.errors import LayoutError
 from runtime.artifact.manifest import ExpertGroupEntry, LayerEntry, LayerVerification
@@ -150,8 +150,7 @@ def stored_bytes(tensors: dict[str, StoredTensor]) -> int:
 
 def check_source_shape(module: str, w: SourceWeight, want: tuple[int, int], what: str = "") -> None:
     """A decoded checkpoint weight against the (N, K) the model config gives it."""
-    t = w.codes if isinstance(w, IntWeight) else w.weight
-    shape = (int(t.shape[0]), int(t.shape[1]))
+    shape = weight_shape(w)
     if shape != want:
         raise ConversionError(
             f"{what + ' (' + module + ')' if what else module} is {shape[0]}×{shape[1]}; the model config "

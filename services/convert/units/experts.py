@@ -98,6 +98,8 @@ class ExpertGroupUnit:
         return 2 * MAX_TENSORS_PER_LAYER * (len(self.name) + 28 + HEADER_ENTRY_BYTES)
 
     def convert(self, files: RankFiles) -> ExpertGroupEntry:
+        if self.kernel.needs_group_statistics(self.specs[0]):
+            self._share_group_statistics(files)
         tensors = self._reserve(files)
         worst: LayerVerification | None = None
         for expert in range(self.layout.num_experts):
@@ -117,6 +119,26 @@ class ExpertGroupUnit:
             fallback=self.fallback,
             verification=worst,
         )
+
+    def _share_group_statistics(self, files: RankFiles) -> None:
+        """Values the kernel's layout takes from every local expert of a rank before it prepares any
+        (vLLM's one NVFP4 scale factor per Marlin FP4 expert group): one more decode pass over the
+        group, for such kernels only; the specs (and so the manifest) record the result."""
+        found: list[tuple[float, float] | None] = [None] * len(self.specs)
+        for expert in range(self.layout.num_experts):
+            source = self._decode_expert(files, expert)
+            for rank, spec in enumerate(self.specs):
+                if not 0 <= expert - spec.first_expert < spec.num_experts:
+                    continue
+                w13, w2 = self._rank_expert(spec, rank, *source)
+                a, b = self.kernel.group_statistics(w13, w2, spec)
+                seen = found[rank]
+                found[rank] = (a, b) if seen is None else (max(seen[0], a), max(seen[1], b))
+            del source
+        self.specs = [
+            spec if values is None else self.kernel.with_group_statistics(spec, values)
+            for spec, values in zip(self.specs, found, strict=True)
+        ]
 
     def _reserve(self, files: RankFiles) -> list[str]:
         """Make room for the group's stacked tensors in every rank file; their names (sorted)."""
@@ -298,10 +320,8 @@ def _moe_spec(
         name: str, n: int, k: int, k_full: int, row_parallel: bool, shards: tuple[ShardSpec, ...]
     ) -> LinearSpec:
         return LinearSpec(
-            name=name, scheme=q.scheme, n=n, k=k, k_full=k_full, bits=q.bits, group_size=q.group_size,
-            symmetric=q.symmetric, act_order=q.act_order, fp8_strategy=q.fp8_strategy,
-            block_size=q.block_size, row_parallel=row_parallel, act_dtype=act_dtype,
-            int8_activations=q.int8_activations, shards=shards, float_zeros=q.float_zeros,
+            name=name, n=n, k=k, k_full=k_full, row_parallel=row_parallel, act_dtype=act_dtype,
+            shards=shards, **q.spec_fields(),
         )  # fmt: skip
 
     w13 = linear(

@@ -222,22 +222,14 @@ def rank_specs(
         specs.append(
             LinearSpec(
                 name=layout.name,
-                scheme=q.scheme,
                 n=sum(shard_sizes),
                 k=shape.k,
                 k_full=layout.k,
-                bits=q.bits,
-                group_size=q.group_size,
-                symmetric=q.symmetric,
-                act_order=q.act_order,
-                fp8_strategy=q.fp8_strategy,
-                block_size=q.block_size,
                 row_parallel=layout.row_parallel and tp > 1,
                 has_bias=has_bias,
                 act_dtype=act_dtype,
-                int8_activations=q.int8_activations,
                 shards=shards,
-                float_zeros=q.float_zeros,
+                **q.spec_fields(),
             )
         )
     return specs
