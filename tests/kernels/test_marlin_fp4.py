@@ -66,7 +66,7 @@ def repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
 ops.gptq_marlin_repack = repack
 P = lambda t: torch.nn.Parameter(t, requires_grad=False)
 out = {}
-for name, c in torch.load(sys.argv[1]).items():
+for name, c in torch.load(sys.argv[1], weights_only=True).items():
     act = getattr(torch, c["act"])
     if c["kind"] == "linear":
         n, k = c["weight"].shape[0], c["weight"].shape[1] * 2
@@ -200,7 +200,7 @@ def vllm_prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(work / "out.pt")
+    return torch.load(work / "out.pt", weights_only=True)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
