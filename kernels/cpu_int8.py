@@ -11,7 +11,12 @@ fixed ≈0.1-0.7 ms more but scales far better (1 thread, ms, op / widened):
     2048x2048    0.38 / 0.79  0.75 / 0.95  1.53 / 1.22  3.07 / 1.91  10.1 / 3.01
     1536x576     0.09 / 0.18  0.19 / 0.21  0.37 / 0.27  0.73 / 0.39  1.47 / 0.63
 
-so apply switches to the widened GEMM from `DEQUANT_MIN_M` rows on.
+so apply switches to the widened GEMM from `DEQUANT_MIN_M` rows on. Without native bf16 dot products
+(`kernels.cpu_features`: oneDNN then emulates bf16) the widened bf16 GEMM is the slow one — AVX2-only
+EPYC, 1536x576, 2 threads, ms, op / bf16 widened / fp32 widened: M=32 0.71 / 3.5 / 2.1, M=128
+4.1 / - / 2.8, M=512 13.3 / 49 / 7.8 — so there the weight is widened to fp32 (also exact) and
+multiplies the activations as they come (fp32 there: no bf16 rounding), from `DEQUANT_MIN_M_FP32`
+rows on.
 
 Checkpoint codes are unsigned with bias 128 (uint8b128), so the stored int8 is `code - 128`.
 Only symmetric channelwise 8-bit fits this op; grouped or asymmetric 8-bit layers are refused
@@ -44,8 +49,10 @@ from kernels.base import (
     with_bias,
 )
 from kernels.codecs.int8 import symmetric_channelwise_int8
+from kernels.cpu_features import has_native_bf16
 
 DEQUANT_MIN_M = 32  # from this many rows on, one bf16 GEMM on the widened weight beats the op
+DEQUANT_MIN_M_FP32 = 128  # the same for an fp32 GEMM, on CPUs without native bf16
 # torch 2.13's op segfaults from 4 rows on when the weight does not start 16-byte aligned, which a
 # tensor memory-mapped from a safetensors file (8-byte aligned) may not: such a weight is copied once.
 OP_WEIGHT_ALIGNMENT = 16
@@ -110,13 +117,15 @@ class CpuInt8Kernel(CpuKernel):
     ) -> torch.Tensor:
         """y = x @ W.T (+ bias) with `qweight` already as the op can take it (16-byte aligned)."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, spec.k).to(torch.bfloat16).contiguous()
+        x2 = x.reshape(-1, spec.k)
         bias = tensors.get("bias")
-        if x2.shape[0] >= DEQUANT_MIN_M:
-            w = qweight.to(torch.bfloat16)  # exact: |q| <= 128
-            y = torch.nn.functional.linear(x2, w).float() * tensors["scales"].float()
+        widen = torch.bfloat16 if has_native_bf16() else torch.float32
+        if x2.shape[0] >= (DEQUANT_MIN_M if widen == torch.bfloat16 else DEQUANT_MIN_M_FP32):
+            w = qweight.to(widen)  # exact: |q| <= 128
+            y = torch.nn.functional.linear(x2.to(widen), w).float() * tensors["scales"].float()
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, qweight, tensors["scales"])
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xb, qweight, tensors["scales"])
         if bias is not None:
             y = y.float() + bias
         return y.to(x.dtype).reshape(*lead, spec.n)

@@ -9,6 +9,13 @@ Measured on a 2-core AMD EPYC (avx512_vnni), 1536x576 / 576x1536, 2 threads, ms:
 for cpu_int8's bf16 weight-only op; M=32 0.24-0.32 vs 1.0-1.3; M=128 0.75-1.1 vs 4.4-4.7 — plus the
 activation quantization (5 small ops, ≈0.04-0.07 ms at M=1).
 
+Without int8 dot products (no VNNI / AMX: `kernels.cpu_features`, read when a layer is bound) oneDNN
+emulates the int8 GEMM: on an AVX2-only EPYC, 1536x576, 2 threads, `_int_mm` took 0.48 / 2.6 / 18.5 /
+153 ms at M = 1 / 8 / 64 / 512 where an fp32 GEMM on the same integers took 1.2 / 1.7 / 2.3 / 6.8 ms.
+There, from `FP32_MIN_M` rows on, the integers are multiplied in fp32 in K chunks of at most
+`EXACT_FP32_K`, each chunk's sum exact (|sum| <= 1024 * 128 * 128 = 2^24), the chunks added in fp32
+(rounded only beyond 2^24, as `_int_mm`'s int32 result is when converted to fp32).
+
 Same weight layout as cpu_int8 (it is its W8A16 fallback, e.g. under KILN_DISABLED_KERNELS), with
 fp32 scales (the epilogue is fp32, so nothing rounds them).
 
@@ -26,7 +33,22 @@ import torch
 
 from kernels.base import LinearSpec, Target, token_quantized_reference
 from kernels.codecs.int8 import quantize_per_token_int8
+from kernels.cpu_features import has_int8_dot_products
 from kernels.cpu_int8 import CpuInt8Kernel
+
+FP32_MIN_M = 8  # rows from which the fp32 GEMM beats the emulated int8 one (see above)
+EXACT_FP32_K = 1024  # inputs per chunk whose int8 x int8 sum fp32 holds exactly
+
+
+def int8_gemm_in_fp32(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(M, K) int8 x (N, K) int8 -> (M, N) fp32 integer products, summed exactly per K chunk."""
+    out: torch.Tensor | None = None
+    for s in range(0, xq.shape[1], EXACT_FP32_K):
+        chunk = slice(s, s + EXACT_FP32_K)
+        part = torch.nn.functional.linear(xq[:, chunk].float(), w[:, chunk].float())
+        out = part if out is None else out.add_(part)
+    assert out is not None
+    return out
 
 
 class CpuW8A8Kernel(CpuInt8Kernel):
@@ -46,14 +68,20 @@ class CpuW8A8Kernel(CpuInt8Kernel):
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        w_t = tensors["qweight"].t()  # (K, N) view of the (N, K) int8 weight
+        qweight = tensors["qweight"]
+        w_t = qweight.t()  # (K, N) view of the (N, K) int8 weight
         scales = tensors["scales"].float()
         bias = tensors.get("bias")
         k, n = spec.k, spec.n
+        fp32_from = FP32_MIN_M if not has_int8_dot_products() else None
 
         def run(x: torch.Tensor) -> torch.Tensor:
             xq, xs = quantize_per_token_int8(x.reshape(-1, k))
-            y = torch._int_mm(xq, w_t).float().mul_(xs[:, None]).mul_(scales)  # int32 acc is exact
+            if fp32_from is not None and xq.shape[0] >= fp32_from:
+                acc = int8_gemm_in_fp32(xq, qweight)
+            else:
+                acc = torch._int_mm(xq, w_t).float()  # int32 accumulation is exact
+            y = acc.mul_(xs[:, None]).mul_(scales)
             if bias is not None:
                 y.add_(bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], n)

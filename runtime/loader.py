@@ -8,7 +8,6 @@ copied once, host to device, straight from the mapping. The safetensors header i
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
 import os
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels.base import LinearKernel, Target
+from kernels.cpu_features import has_native_bf16
 from kernels.errors import KilnError
 from kernels.moe_base import MoEKernel
 from kernels.registry import get_kernel, get_moe_kernel
@@ -128,23 +128,6 @@ def _capability() -> int:
     return major * 10 + minor
 
 
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 dot products (else oneDNN emulates bf16 and fp32 is faster)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
-    except OSError:
-        pass
-    return False
-
-
 def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
     """Activation dtype (linear kernels, attention, KV cache); the residual stream stays fp32 on
     CPU (runtime/model.py). GPU: the artifact's act_dtype. CPU: bf16 when every layer's kernel
@@ -159,7 +142,7 @@ def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
         manifest.act_dtype != "float32"
         and kernels
         and all(k.cpu_act_dtype == torch.bfloat16 for k in kernels)
-        and cpu_has_native_bf16()
+        and has_native_bf16()
     ):
         return torch.bfloat16
     return torch.float32

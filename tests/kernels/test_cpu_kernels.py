@@ -27,8 +27,8 @@ from kernels.cpu_int4 import (
     runtime_pack_format,
     unpack_int4,
 )
-from kernels.cpu_int8 import DEQUANT_MIN_M, CpuInt8Kernel
-from kernels.cpu_w8a8 import CpuW8A8Kernel
+from kernels.cpu_int8 import DEQUANT_MIN_M, DEQUANT_MIN_M_FP32, CpuInt8Kernel
+from kernels.cpu_w8a8 import EXACT_FP32_K, FP32_MIN_M, CpuW8A8Kernel, int8_gemm_in_fp32
 from kernels.dense import GPU_QUANTIZED_REASON, DenseKernel
 from kernels.errors import LayoutError
 from tests.helpers.numerics import rel_err
@@ -328,16 +328,23 @@ def test_int4_group_192_runs_as_op_groups_of_64() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_int8_apply_matches_reference(n: int, k: int) -> None:
+def test_int8_apply_matches_reference(
+    n: int, k: int, native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op, and the widened GEMM (bf16 from DEQUANT_MIN_M rows with native bf16, else fp32 from
+    DEQUANT_MIN_M_FP32), against the twin."""
+    monkeypatch.setattr("kernels.cpu_int8.has_native_bf16", lambda: native_bf16)
     w = int_weight(n, k, bits=8, group_size=-1)
     spec = int_spec(w)
     kernel = CpuInt8Kernel()
     assert kernel.can_implement(spec, Target.CPU) == (True, "")
     tensors = kernel.prepare(w, spec, Target.CPU)
     check_apply(kernel, tensors, spec, BF16_GEMM_REL_ERR)
-    x = torch.randn(DEQUANT_MIN_M + 3, k).to(torch.bfloat16)  # the widened-GEMM path
-    assert rel_err(kernel.apply(x, tensors, spec), kernel.reference(x, tensors, spec)) < BF16_GEMM_REL_ERR
+    for m in (DEQUANT_MIN_M + 3, DEQUANT_MIN_M_FP32 + 3):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        assert rel_err(kernel.apply(x, tensors, spec), kernel.reference(x, tensors, spec)) < BF16_GEMM_REL_ERR
 
 
 @pytest.mark.parametrize("offset", [8, 40])
@@ -422,6 +429,31 @@ def test_w8a8_apply_matches_reference_and_unquantized_activations(n: int, k: int
     expected = x.float() @ w.dequantize().T + w.bias.float()  # type: ignore[union-attr]
     assert rel_err(y, expected) < W8A8_ACT_QUANT_REL_ERR
     assert kernel.apply(x[:0, :0], tensors, spec).shape == (0, 0, n)
+
+
+def test_int8_gemm_in_fp32_is_int_mms_exact_integer_product() -> None:
+    """The path for CPUs without int8 dot products: chunks of EXACT_FP32_K hold the worst case exactly
+    (every product 128 * 128, summed to 2^24), and random K = 2560 (three chunks) equals _int_mm."""
+    worst = torch.full((2, EXACT_FP32_K), -128, dtype=torch.int8)
+    assert torch.equal(int8_gemm_in_fp32(worst, worst), torch.full((2, 2), 2.0**24))
+    gen = torch.Generator().manual_seed(5)
+    xq = torch.randint(-128, 128, (16, 2560), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (96, 2560), generator=gen, dtype=torch.int8)
+    assert torch.equal(int8_gemm_in_fp32(xq, w), torch._int_mm(xq, w.t()).float())
+
+
+@pytest.mark.parametrize("int8_dot_products", [True, False])
+def test_w8a8_paths_agree_with_and_without_int8_dot_products(
+    int8_dot_products: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the _int_mm path and the fp32 one (from FP32_MIN_M rows, CPUs without VNNI / AMX) give the
+    twin's result; the CPU's features are read when the layer is bound."""
+    monkeypatch.setattr("kernels.cpu_w8a8.has_int8_dot_products", lambda: int8_dot_products)
+    kernel, tensors, spec, _ = w8a8_case(192, 576)
+    run = kernel.bind_apply(tensors, spec)
+    for m in (1, FP32_MIN_M, 40):
+        x = torch.randn(m, 576).to(torch.bfloat16)
+        assert rel_err(run(x), kernel.reference(x, tensors, spec)) < W8A8_TWIN_REL_ERR
 
 
 def test_w8a8_layout_is_cpu_int8s_with_exact_fp32_scales() -> None:
