@@ -24,7 +24,11 @@ avx512_bf16; ms per call, fastest of 30; bf16 / fp32 = plain F.linear peers in t
 (a) is ruled out by torch's slow e4m3 conversion on CPU. (b) costs ≈10-20 % more than (c)/(d) at
 M=1 but is 2.5-4x faster from M=8 on, at half their memory, so it is the choice; the full grid
 (576x576, 1536->576) is in bench/results/cpu_kernels.json. On a CPU without native bf16 dot
-products oneDNN emulates bf16 and (c) would win: fp32 activations select the fp32 storage.
+products oneDNN emulates bf16 and (c) would win: fp32 activations select the fp32 storage. An
+artifact stored in bf16 (the default) running on such a CPU (`kernels.cpu_features`, read when a
+layer is bound) widens the bf16 weight to fp32 per call from `WIDEN_FP32_MIN_M` rows: AVX2-only EPYC,
+1536x576, 2 threads, ms, bf16 GEMM / widen + fp32 GEMM: M=1 0.14 / 1.08, M=8 1.05 / 1.18, M=16 1.50 /
+1.05, M=64 5.96 / 1.19, M=512 47.2 / 6.7.
 
 Stored tensors:
     weight  (N, K) bfloat16 | float32   e4m3 values widened (tensor / channel scales), or
@@ -40,6 +44,9 @@ from collections.abc import Callable
 import torch
 
 from kernels.base import CpuKernel, Fp8Weight, LinearSpec, SourceWeight, StoredTensor, Target, with_bias
+from kernels.cpu_features import has_native_bf16
+
+WIDEN_FP32_MIN_M = 16  # rows from which a CPU without native bf16 runs the bf16 weight widened to fp32
 
 
 def widened_dtype(spec: LinearSpec) -> torch.dtype:
@@ -96,8 +103,13 @@ class CpuFp8Kernel(CpuKernel):
         scale = tensors.get("scale")
         bias = tensors.get("bias")
         linear = torch.nn.functional.linear
+        widen_from = WIDEN_FP32_MIN_M if w.dtype == torch.bfloat16 and not has_native_bf16() else None
 
         def run(x: torch.Tensor) -> torch.Tensor:
+            if widen_from is not None and x.numel() >= widen_from * x.shape[-1]:
+                y = linear(x.float(), w.float())  # bf16 -> fp32 is exact
+                y = y * scale if scale is not None else y
+                return (y + bias if bias is not None else y).to(x.dtype)
             y = linear(x if x.dtype == w.dtype else x.to(w.dtype), w)
             if bias is None and y.dtype == x.dtype:
                 return y.mul_(scale) if scale is not None else y

@@ -8,7 +8,7 @@ import torch
 
 from kernels.base import Fp8Weight, LinearSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
-from kernels.cpu_fp8 import CpuFp8Kernel
+from kernels.cpu_fp8 import WIDEN_FP32_MIN_M, CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
 from tests.kernels.test_cpu_kernels import BF16_GEMM_REL_ERR, int_spec, int_weight
 
@@ -56,9 +56,14 @@ def test_int4_bind_apply_folded_zero_offsets_match_reference(m: int) -> None:
     assert y.dtype == torch.bfloat16 and err < BF16_GEMM_REL_ERR, f"rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_bind_apply_equals_apply(strategy: str, dtype: torch.dtype) -> None:
+def test_fp8_bind_apply_equals_apply(
+    strategy: str, dtype: torch.dtype, native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also from WIDEN_FP32_MIN_M rows, where a CPU without native bf16 widens the weight to fp32."""
+    monkeypatch.setattr("kernels.cpu_fp8.has_native_bf16", lambda: native_bf16)
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(64, 256, generator=gen)
     weight: Fp8Weight = quantize_fp8(dense, strategy, block_size=(32, 128))  # type: ignore[arg-type]
@@ -74,6 +79,6 @@ def test_fp8_bind_apply_equals_apply(strategy: str, dtype: torch.dtype) -> None:
     kernel = CpuFp8Kernel()
     tensors = kernel.prepare(weight, spec, Target.CPU)
     run = kernel.bind_apply(tensors, spec)
-    for m in ROWS:
+    for m in (*ROWS, WIDEN_FP32_MIN_M + 5):
         x = torch.randn(m, spec.k).to(dtype)
         _close(run(x), kernel.apply(x, tensors, spec))
