@@ -543,6 +543,24 @@ class LinearKernel(ABC):
         return y.to(x.dtype)
 
 
+class DecodedLayoutKernel(LinearKernel):
+    """A kernel whose stored tensors decode losslessly back into a canonical weight (`stored_weight`:
+    the Marlin and GPTQ-standard integer layouts, Marlin FP4): it dequantizes through that weight."""
+
+    def stored_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight | Fp4Weight:
+        """The canonical weight the stored tensors hold (this default: `stored_int_weight`)."""
+        stored = self.stored_int_weight(tensors, spec)
+        if stored is None:
+            raise LayoutError(f"{self.name} decodes no stored weight for {spec.name}")
+        return stored
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return self.stored_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        return self.stored_weight(tensors, spec).dequantized_rows()
+
+
 class CpuKernel(LinearKernel):
     """A kernel of the cpu target alone (cpu_int4, cpu_int8, cpu_w8a8, cpu_fp8): torch's CPU ops,
     whose fast paths take bf16 activations."""

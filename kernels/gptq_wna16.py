@@ -29,10 +29,9 @@ from typing import Any, ClassVar
 import torch
 
 from kernels.base import (
+    DecodedLayoutKernel,
     IntWeight,
-    LinearKernel,
     LinearSpec,
-    RowBlocks,
     SourceWeight,
     StoredTensor,
     Target,
@@ -48,7 +47,7 @@ from kernels.targets import GPU_TARGETS
 SUPPORTED_BITS = (2, 4, 8)
 
 
-class GptqWNA16Kernel(LinearKernel):
+class GptqWNA16Kernel(DecodedLayoutKernel):
     name: ClassVar[str] = "gptq_wna16"
     layout_version: ClassVar[int] = 1
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
@@ -122,12 +121,6 @@ class GptqWNA16Kernel(LinearKernel):
         mins = tensors["mins"].cpu() if "mins" in tensors else None  # (G, N), float-minimum layers
         # codes: an (N, K) view
         return IntWeight(codes.T, scales, spec.bits, spec.group_size, zeros, g_idx, mins=mins)
-
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
-
-    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
-        return self.stored_int_weight(tensors, spec).dequantized_rows()
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):

@@ -44,10 +44,9 @@ import torch
 
 from kernels.base import (
     FP4_GROUP_SIZE,
+    DecodedLayoutKernel,
     Fp4Weight,
-    LinearKernel,
     LinearSpec,
-    RowBlocks,
     SourceWeight,
     StoredTensor,
     Target,
@@ -76,7 +75,7 @@ E4M3_MAX = 448.0
 TILE_FAMILIES = ((64, 128), (128, 64))
 
 
-class MarlinFp4Kernel(LinearKernel):
+class MarlinFp4Kernel(DecodedLayoutKernel):
     name: ClassVar[str] = "marlin_fp4"
     vllm_kernel: ClassVar[str] = "fp4_marlin"
     layout_version: ClassVar[int] = 1
@@ -158,7 +157,7 @@ class MarlinFp4Kernel(LinearKernel):
             out["bias"] = weight.bias.to(act)
         return {name: t.contiguous() for name, t in out.items()}
 
-    def stored_fp4_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Fp4Weight:
+    def stored_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Fp4Weight:
         """The weight the stored tensors hold: the codes, and the block scales as the layout keeps
         them (NVFP4: the fp16 s * sf * 2^7 with the global g * 2^-7 / sf, whose product is s * g)."""
         n, k = spec.n, spec.k
@@ -170,12 +169,6 @@ class MarlinFp4Kernel(LinearKernel):
         scales = (raw.to(torch.int16) << SCALE_SHIFT).view(torch.float16)  # s * sf * 2^7
         g = tensors["global_scale"].cpu().float() * 2.0 ** -EXPONENT_BIAS[spec.torch_act_dtype]
         return Fp4Weight(codes.T, scales.T, "nvfp4", g)
-
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        return self.stored_fp4_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
-
-    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
-        return self.stored_fp4_weight(tensors, spec).dequantized_rows()
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):

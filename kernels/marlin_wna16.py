@@ -30,10 +30,9 @@ from typing import Any, ClassVar
 import torch
 
 from kernels.base import (
+    DecodedLayoutKernel,
     IntWeight,
-    LinearKernel,
     LinearSpec,
-    RowBlocks,
     SourceWeight,
     StoredTensor,
     Target,
@@ -57,7 +56,7 @@ from kernels.marlin_tiles import marlin_tiles
 from kernels.targets import gpu_targets
 
 
-class MarlinWNA16Kernel(LinearKernel):
+class MarlinWNA16Kernel(DecodedLayoutKernel):
     name: ClassVar[str] = "marlin_wna16"
     vllm_kernel: ClassVar[str] = "gptq_marlin"
     layout_version: ClassVar[int] = 1
@@ -130,12 +129,6 @@ class MarlinWNA16Kernel(LinearKernel):
                 g_unsorted[perm] = g_idx
                 g_idx = g_unsorted
         return IntWeight(codes.T, scales, bits, spec.group_size, zeros, g_idx)  # codes: an (N, K) view
-
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        return self.stored_int_weight(tensors, spec).dequantize().to(tensors["qweight"].device)  # (N, K)
-
-    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
-        return self.stored_int_weight(tensors, spec).dequantized_rows()
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
