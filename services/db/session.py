@@ -42,7 +42,33 @@ def make_engine(url: str) -> Engine:
         return engine
     engine = create_engine(url, pool_size=10, max_overflow=20, pool_recycle=1800)
     _ping_when_idle(engine)
+    _lost_sockets_are_disconnects(engine)
     return engine
+
+
+# SQLSTATEs of a connection the server ended: class 08 (connection exception), admin / crash
+# shutdown, "cannot connect now".
+_DISCONNECT_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+
+
+def _lost_sockets_are_disconnects(engine: Engine) -> None:
+    """SQLAlchemy's psycopg dialect calls an error a disconnect only when libpq has already marked
+    the connection bad. When the socket fails first (the backend was terminated and the kernel
+    reports the reset before libpq reads the server's goodbye), psycopg raises an OperationalError
+    with no SQLSTATE ("connection socket closed") on a connection it still calls healthy: the
+    connection would go back to the pool, its reset would fail on the half-sent query, and the unit
+    would not be retried. Any OperationalError without a SQLSTATE comes from the client side of the
+    socket, so it is a disconnect too; errors the server reported keep their meaning."""
+    operational_error = engine.dialect.loaded_dbapi.OperationalError
+
+    @event.listens_for(engine, "handle_error")
+    def _classify(ctx) -> None:  # type: ignore[no-untyped-def]
+        e = ctx.original_exception
+        if ctx.is_disconnect or not isinstance(e, operational_error):
+            return
+        sqlstate = getattr(e, "sqlstate", None)
+        if sqlstate is None or sqlstate.startswith(_DISCONNECT_SQLSTATES):
+            ctx.is_disconnect = True
 
 
 IDLE_PING_S = 10.0

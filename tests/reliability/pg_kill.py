@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event, text
 
 from tests.services.conftest import PG_ADMIN_URL
@@ -39,7 +40,10 @@ def terminate_connections(database_url: str) -> int:
 class BackendKiller:
     """Armed with `arm(n, at=...)`, kills the backend of the next n connections of `engine` that
     run a statement matching `statement` (at="statement", just before it is sent) or a COMMIT
-    (at="commit"), then lets the client go on with its now-dead connection."""
+    (at="commit"), then lets the client go on with its now-dead connection. With
+    `socket_error=True` the client then fails the way psycopg fails when the kernel reports the
+    reset before libpq has read the server's goodbye: "connection socket closed", no SQLSTATE, on
+    a connection libpq still calls healthy (a race: seen once in CI, not reproducible on demand)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -48,13 +52,16 @@ class BackendKiller:
         self._left = 0
         self._at = "statement"
         self._pattern: re.Pattern[str] | None = None
+        self._socket_error = False
         self.killed = 0
         event.listen(engine, "before_cursor_execute", self._before_statement)
         event.listen(engine, "commit", self._before_commit)
 
-    def arm(self, n: int = 1, *, at: str = "statement", statement: str | None = None) -> None:
+    def arm(
+        self, n: int = 1, *, at: str = "statement", statement: str | None = None, socket_error: bool = False
+    ) -> None:
         with self._lock:
-            self._left, self._at = n, at
+            self._left, self._at, self._socket_error = n, at, socket_error
             self._pattern = re.compile(statement, re.IGNORECASE) if statement else None
 
     def close(self) -> None:
@@ -86,3 +93,5 @@ class BackendKiller:
                     )
                 time.sleep(0.01)
         self.killed += 1
+        if self._socket_error:
+            raise psycopg.OperationalError("connection socket closed")

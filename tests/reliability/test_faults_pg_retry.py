@@ -76,6 +76,21 @@ def test_a_read_whose_connection_died_is_run_again(
     assert killer.killed == 1 and retries(caplog) == 1
 
 
+def test_a_socket_that_failed_before_libpq_read_the_goodbye_is_a_lost_connection(
+    pg_settings: ServiceSettings, killer: BackendKiller, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg's "connection socket closed" (no SQLSTATE, connection not yet marked bad) is a
+    disconnect: the read is run again, and a write that had not sent COMMIT too."""
+    run_unit(pg_settings, lambda s: s.execute(text("SELECT 1")), what="warm-up", read_only=True)
+    killer.arm(1, socket_error=True)
+    assert (
+        run_unit(pg_settings, lambda s: s.scalar(text("SELECT 41 + 1")), what="a read", read_only=True) == 42
+    )
+    killer.arm(1, statement="INSERT INTO jobs", socket_error=True)
+    run_unit(pg_settings, add_job(pg_settings, "/src/a"), what="a write")
+    assert killer.killed == 2 and retries(caplog) == 2 and job_count(pg_settings) == 1
+
+
 def test_a_write_whose_connection_died_before_commit_is_run_again(
     pg_settings: ServiceSettings, killer: BackendKiller, caplog: pytest.LogCaptureFixture
 ) -> None:
