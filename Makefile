@@ -52,6 +52,8 @@ test: install vllm-venv
 	bash infra/ensure-services.sh
 	# `docker-compose config` validates docker-compose.yml without an engine (Debian's v1.29).
 	command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose unavailable: its test will skip"
+	# Debian's headless Chromium + chromedriver for the console's browser tests (no download at test time).
+	command -v chromedriver >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium unavailable: the console's browser tests will skip"
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow and not gpu" --durations=15 $(PYTEST_ARGS)
 

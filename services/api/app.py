@@ -15,9 +15,12 @@ from contextlib import asynccontextmanager
 import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Gauge
 
 from runtime.body_limit import BodySizeLimit
+from services.api.console import routes as console
+from services.api.console.security import ConsoleHeaders
 from services.api.errors import install_handlers
 from services.api.middleware import HttpMetrics
 from services.api.routes import artifacts, conversions, health, plans
@@ -72,6 +75,9 @@ def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher |
     app.include_router(artifacts.router)
     app.include_router(plans.router)
     app.include_router(health.router)
+    app.include_router(console.pages)
+    app.include_router(console.fragments)
+    app.mount("/console/static", StaticFiles(directory=console.STATIC_DIR), name="console-static")
     install_handlers(app)
     # Outermost last: metrics see every response, the size limit runs before routing.
     app.add_middleware(
@@ -88,5 +94,6 @@ def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher |
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
             expose_headers=["Location"],
         )
+    app.add_middleware(ConsoleHeaders)
     app.add_middleware(HttpMetrics, registry=registry)
     return app

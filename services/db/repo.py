@@ -16,9 +16,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from kernels.errors import KilnError
 from services.convert.spec import ConversionSpec
@@ -460,6 +460,23 @@ def list_artifacts(
     more = len(rows) > limit
     rows = rows[:limit]
     return rows, (rows[-1].id if more and rows else None)
+
+
+def find_artifacts(
+    session: Session, *, limit: int, target: str | None = None, source_contains: str | None = None
+) -> list[Artifact]:
+    """Newest first, with their file rows: the console's view. `source_contains` matches a piece of
+    the model name or the source URI, case-insensitively."""
+    q = select(Artifact).options(selectinload(Artifact.files)).order_by(Artifact.created_at.desc())
+    if target:
+        q = q.where(Artifact.target == target)
+    if source_contains:
+        escaped = source_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        pattern = f"%{escaped}%"
+        q = q.where(
+            or_(Artifact.model.ilike(pattern, escape="\\"), Artifact.source_uri.ilike(pattern, escape="\\"))
+        )
+    return list(session.scalars(q.limit(limit)))
 
 
 def get_artifact(session: Session, artifact_id: str) -> Artifact | None:

@@ -20,6 +20,7 @@ from services.api.deps import SettingsDep, app_store, lookup_token
 from services.db.models import Job
 from services.db.session import run_unit
 from services.redact import redact_text
+from services.settings import ServiceSettings
 
 router = APIRouter(tags=["operations"])
 CHECK_TIMEOUT_S = 3.0
@@ -37,9 +38,9 @@ def _summary(detail: str) -> str:
     return "down" if detail.startswith("down") else "ok"
 
 
-@router.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
-def health(request: Request, settings: SettingsDep) -> JSONResponse:
-    """Component status for anyone; with a valid bearer token, also why a component is down."""
+def check_components(request: Request, settings: ServiceSettings) -> tuple[bool, dict[str, str]]:
+    """Each component's status ("ok", or "down: why"); only a caller presenting a valid bearer token
+    gets the reasons, anyone else "ok" / "down"."""
     presented = _presented_token(request)
 
     def db() -> str:
@@ -80,6 +81,13 @@ def health(request: Request, settings: SettingsDep) -> JSONResponse:
         detailed = False
     if not detailed:
         results = {name: _summary(detail) for name, detail in results.items()}
+    return ok, results
+
+
+@router.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
+def health(request: Request, settings: SettingsDep) -> JSONResponse:
+    """Component status for anyone; with a valid bearer token, also why a component is down."""
+    ok, results = check_components(request, settings)
     body = schemas.Health(status="ok" if ok else "unavailable", checks=results)
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
