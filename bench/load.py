@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -246,6 +247,50 @@ async def open_loop(
     return tally, wall
 
 
+class ConsoleWatcher:
+    """The web console's jobs page open in headless Chromium for the whole API phase, as an operator
+    would have it: it refreshes the job list every 2 s and health every 10 s through the API under
+    load. Reports how many refreshes it saw and what the page logged as errors."""
+
+    def __init__(self, url: str, token: str, workdir: Path, screenshot: Path) -> None:
+        self.url, self.token, self.workdir, self.screenshot = url, token, workdir, screenshot
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> ConsoleWatcher:
+        from devtools import browser
+
+        self._browser = browser.chromium(self.workdir / "chromium-profile")
+        self.session = self._browser.__enter__()
+        self.session.get(f"{self.url}/console")
+        browser.enter_console_token(self.session, self.token)
+        browser.wait_until(self.session, lambda d: d.execute_script(_LOADS_JS)["jobs"] > 0, "the job list")
+        self._start = self.session.execute_script(_LOADS_JS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from devtools import browser
+
+        try:
+            end = self.session.execute_script(_LOADS_JS)
+            self.result = {
+                "job_list_refreshes": end["jobs"] - self._start["jobs"],
+                "health_refreshes": end["health"] - self._start["health"],
+                "page_errors": browser.console_errors(self.session),
+                "status_line": self.session.execute_script(
+                    "return document.getElementById('console-status').textContent"
+                ),
+            }
+            self.screenshot.parent.mkdir(parents=True, exist_ok=True)
+            self.session.save_screenshot(str(self.screenshot))
+            self.result["screenshot"] = str(self.screenshot)
+        finally:
+            self._browser.__exit__(None, None, None)
+
+
+_LOADS_JS = """return {jobs: Number(document.getElementById('jobs').dataset.loads || 0),
+                       health: Number(document.getElementById('health').dataset.loads || 0)}"""
+
+
 def api_phase(args: argparse.Namespace, workdir: Path) -> dict:
     from sqlalchemy import create_engine, func, select, text
 
@@ -302,11 +347,17 @@ def api_phase(args: argparse.Namespace, workdir: Path) -> dict:
         print(
             f"api: {args.rate:.0f} req/s for {args.seconds:.0f} s (submit:poll 1:3), "
             f"{args.api_workers} uvicorn workers"
+            + (", the console open in headless Chromium" if args.console else "")
         )
-        tally, wall = asyncio.run(
-            open_loop(url, headers, args.rate, args.seconds, args.max_in_flight, mixed, record)
-        )
+        shot = args.results.with_name("console-under-load.png")
+        watcher = ConsoleWatcher(url, token, workdir, shot) if args.console else None
+        with watcher if watcher is not None else contextlib.nullcontext() as console:
+            tally, wall = asyncio.run(
+                open_loop(url, headers, args.rate, args.seconds, args.max_in_flight, mixed, record)
+            )
         result = tally.summary(wall, args.rate)
+        if console is not None:
+            result["console"] = console.result
         accepted_ids = set(accepted)
         engine = create_engine(db_url)
         from services.db.models import Job
@@ -473,6 +524,11 @@ def main() -> None:
     ap.add_argument("--serve-deadline", type=float, default=300.0)
     ap.add_argument("--results", type=Path, default=RESULTS, help=f"JSON written here (default {RESULTS})")
     ap.add_argument("--skip-api", action="store_true")
+    ap.add_argument(
+        "--console",
+        action="store_true",
+        help="keep the web console open in headless Chromium during the API phase",
+    )
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")

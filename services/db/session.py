@@ -156,6 +156,9 @@ def session_scope(settings: ServiceSettings) -> Iterator[Session]:
         yield session
 
 
+LOST_CONNECTION_ATTEMPTS = 3
+
+
 def run_unit(
     settings: ServiceSettings,
     work: Callable[[Session], T],
@@ -169,14 +172,17 @@ def run_unit(
 
     A pooled connection the server dropped (failover, restart, `pg_terminate_backend`, an idle
     kill) is found at its first statement at the latest; the pool then discards it and every
-    connection as old, and the unit runs once more on a new connection, with one warning line, when
+    connection as old, and the unit runs again on a new connection, with one warning line, when
     that is safe: always for reads, and for writes whose failure came before COMMIT was sent (the
     server rolled the transaction back when the connection died). A failure during COMMIT leaves
-    the outcome unknown, so it is retried only for an `idempotent` unit. Any other error, and a
-    second disconnect, surface as they are. `work` must do nothing outside the database that a
-    second run would repeat harmfully."""
+    the outcome unknown, so it is retried only for an `idempotent` unit. A unit runs at most
+    LOST_CONNECTION_ATTEMPTS times: two losses in a row happen when the server drops every
+    connection while a unit is already retrying on a connection killed a moment before (measured:
+    rounds of `pg_terminate_backend` sweeps under load). Any other error, and a loss on the last
+    attempt, surface as they are. `work` must do nothing outside the database that another run
+    would repeat harmfully."""
     factory = session_factory(settings, read_only=read_only)
-    for attempt in (1, 2):
+    for attempt in range(1, LOST_CONNECTION_ATTEMPTS + 1):
         committing = False
         session = factory()
         try:
@@ -187,10 +193,11 @@ def run_unit(
                 session.commit()
             return result
         except DBAPIError as e:
-            if attempt == 2 or not e.connection_invalidated or (committing and not idempotent):
+            last = attempt == LOST_CONNECTION_ATTEMPTS
+            if last or not e.connection_invalidated or (committing and not idempotent):
                 raise
             reason = redact_text(str(e.orig) if e.orig is not None else str(e)).splitlines()[0][:200]
             log.warning("database connection lost during %s (%s); retrying on a new connection", what, reason)
         finally:
             session.close()
-    raise AssertionError("unreachable")  # the second attempt returned or raised
+    raise AssertionError("unreachable")  # the last attempt returned or raised

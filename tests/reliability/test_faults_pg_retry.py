@@ -21,7 +21,7 @@ from services.api.app import create_app
 from services.convert.spec import ConversionSpec
 from services.db import repo
 from services.db.models import Job
-from services.db.session import get_engine, run_unit
+from services.db.session import LOST_CONNECTION_ATTEMPTS, get_engine, run_unit
 from services.settings import ServiceSettings
 from services.worker.jobs import run_job
 from tests.reliability.pg_kill import BackendKiller, terminate_connections
@@ -116,13 +116,18 @@ def test_a_commit_that_failed_is_retried_only_for_an_idempotent_unit(
     assert job_count(pg_settings) == 1
 
 
-def test_a_second_loss_and_real_errors_surface(
+def test_a_loss_on_the_last_attempt_and_real_errors_surface(
     pg_settings: ServiceSettings, killer: BackendKiller, caplog: pytest.LogCaptureFixture
 ) -> None:
-    killer.arm(2)
+    killer.arm(LOST_CONNECTION_ATTEMPTS - 1)  # every attempt but the last loses its connection
+    assert run_unit(pg_settings, lambda s: s.scalar(text("SELECT 7")), what="a read", read_only=True) == 7
+    assert killer.killed == LOST_CONNECTION_ATTEMPTS - 1 and retries(caplog) == LOST_CONNECTION_ATTEMPTS - 1
+
+    caplog.clear()
+    killer.arm(LOST_CONNECTION_ATTEMPTS)
     with pytest.raises(DBAPIError) as err:
         run_unit(pg_settings, lambda s: s.execute(text("SELECT 1")), what="a read", read_only=True)
-    assert err.value.connection_invalidated and killer.killed == 2 and retries(caplog) == 1
+    assert err.value.connection_invalidated and retries(caplog) == LOST_CONNECTION_ATTEMPTS - 1
 
     calls: list[int] = []
 
@@ -132,7 +137,7 @@ def test_a_second_loss_and_real_errors_surface(
 
     with pytest.raises(ProgrammingError):
         run_unit(pg_settings, broken, what="a broken read", read_only=True)
-    assert calls == [1] and retries(caplog) == 1  # not retried
+    assert calls == [1] and retries(caplog) == LOST_CONNECTION_ATTEMPTS - 1  # not retried
 
 
 @pytest.fixture

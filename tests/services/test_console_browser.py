@@ -6,15 +6,17 @@ text. A screenshot of each page lands in the test's directory (or $KILN_CONSOLE_
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from devtools import browser
+from devtools.browser import console_errors, enter_console_token, wait_until
 from services.settings import ServiceSettings
-from tests.services.browser import chromium, console_errors, wait_until
 from tests.services.conftest import create_token, wait_for_job
 from tests.services.test_console import embedded  # noqa: F401  (fixture)
 
@@ -46,12 +48,14 @@ def page_errors(session: Any) -> list[str]:
     return [m for m in console_errors(session) if "favicon.ico" not in m]
 
 
-def enter_token(session: Any, token: str) -> None:
-    from selenium.webdriver.common.by import By
-
-    session.find_element(By.ID, "token-input").send_keys(token)
-    session.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
-    wait_until(session, lambda d: d.find_element(By.ID, "token-held").is_displayed(), "the token to be taken")
+@contextmanager
+def chromium(profile: Path) -> Iterator[Any]:
+    """Headless Chromium, or the test skipped with the reason it is unavailable."""
+    try:
+        with browser.chromium(profile) as session:
+            yield session
+    except browser.BrowserUnavailable as e:
+        pytest.skip(str(e))
 
 
 def test_a_conversion_from_the_form_to_its_artifact(
@@ -68,7 +72,7 @@ def test_a_conversion_from_the_form_to_its_artifact(
     with chromium(tmp_path / "profile") as b:
         b.get(f"{url}/console/new")
         wait_until(b, lambda d: d.find_elements(By.CSS_SELECTOR, "#health [data-health=ok]"), "health")
-        enter_token(b, token)
+        enter_console_token(b, token)
         b.find_element(By.NAME, "source").send_keys(str(tiny_gptq))
         b.find_element(By.CSS_SELECTOR, "input[name=targets][value=sm80]").click()  # cpu is preset
         assert not b.find_element(By.ID, "submit-conversion").is_enabled()  # the plan comes first
@@ -149,7 +153,7 @@ def test_markup_in_a_source_and_an_error_renders_as_text_in_the_browser(
     assert job["status"] == "failed" and "<script>" in job["error"]
     with chromium(tmp_path / "profile") as b:
         b.get(f"{url}/console/jobs/{job['id']}")
-        enter_token(b, token)
+        enter_console_token(b, token)
         wait_until(
             b, lambda d: d.find_elements(By.CSS_SELECTOR, "#job [data-status=failed]"), "the failed job"
         )

@@ -8,8 +8,8 @@ are compared with
 
 * vLLM serving the original checkpoint in the same dtype (same engine, same attention and residual
   stream; only the linear kernels differ), where vLLM's CPU build can serve it — which cells it
-  cannot is VLLM_CPU_CANNOT (and, without AVX-512, VLLM_CPU_CANNOT_WITHOUT_AVX512), each with the error
-  it gives;
+  cannot is VLLM_CPU_CANNOT (and, without AVX-512 / AMX, VLLM_CPU_CANNOT_WITHOUT_AVX512 / _AMX), each with
+  the error it gives;
 * the same artifact served by vLLM in float32: the dequantized model with fp32 numerics, the
   reference both bf16 paths are measured against (on the unquantized model it equals vLLM's fp32
   on the original exactly);
@@ -77,13 +77,14 @@ VLLM_CPU_CANNOT: dict[tuple[str, str], str] = {
     **{("moe-fp8", d): "Unsupported FP8 MoE backend" for d in ("bfloat16", "float16", "float32")},
 }
 
-# Without AVX-512, vLLM 0.32's CPU build has no WNA16 GEMM (`cpu_gemm_wna16`) and no WNA16 MoE
-# backend, so the original GPTQ / AWQ / MoE-GPTQ checkpoints fail in every dtype (the artifacts,
-# served through the plugin, run); its W8A8 path then loads in every dtype but lands 0.062 from the
-# fp32 reference, where the plugin's is 0.026 (an AMD EPYC, AVX2 only, 2026-12-03).
-VLLM_CPU_CANNOT_WITHOUT_AVX512: dict[str, str] = {
-    "gptq": "cpu_gemm_wna16",
-    "awq": "cpu_gemm_wna16",
+# Without AVX-512, vLLM 0.32's CPU build has no WNA16 GEMM (`cpu_gemm_wna16`), so the original GPTQ /
+# AWQ checkpoints fail in every dtype (the artifacts, served through the plugin, run); its W8A8 path
+# then loads in every dtype but lands 0.062 from the fp32 reference, where the plugin's is 0.026 (an
+# AMD EPYC, AVX2 only, 2026-12-03).
+VLLM_CPU_CANNOT_WITHOUT_AVX512: dict[str, str] = {"gptq": "cpu_gemm_wna16", "awq": "cpu_gemm_wna16"}
+# Its only x86 WNA16 MoE backend (CPUExpertsInt4) needs AMX tiles: on an AVX-512 AMD EPYC without
+# AMX the original MoE-GPTQ checkpoint fails in every dtype too (2026-12-03).
+VLLM_CPU_CANNOT_WITHOUT_AMX: dict[str, str] = {
     "moe-gptq": "No WNA16 MoE backend supports the deployment configuration",
 }
 VLLM_ORIGINAL_MEAN_ATOL_WITHOUT_AVX512 = {"w8a8": 0.08}
@@ -94,11 +95,18 @@ def has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles, as vLLM's CPU MoE kernels ask torch (read when a test asks)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def vllm_cpu_errors(method: str, dtype: str) -> list[str]:
     """The errors vLLM's CPU build may stop with on the original checkpoint (empty: it must load)."""
     errors = [VLLM_CPU_CANNOT.get((method, dtype))]
     if not has_avx512():
         errors.append(VLLM_CPU_CANNOT_WITHOUT_AVX512.get(method))
+    if not has_amx():
+        errors.append(VLLM_CPU_CANNOT_WITHOUT_AMX.get(method))
     return [e for e in errors if e is not None]
 
 

@@ -69,6 +69,7 @@
     }
     el.innerHTML = await response.text(); // server-rendered, autoescaped HTML
     el.dataset.loaded = String(Date.now());
+    el.dataset.loads = String(Number(el.dataset.loads || 0) + 1);
     if (el.querySelector("[data-final]")) stop(el);
     if (response.ok && !("public" in el.dataset)) say("", false);
   }

@@ -1,6 +1,6 @@
-"""Headless Chromium for the console tests, driven by Selenium through Debian's chromedriver (no
-browser or driver download at test time). `chromium()` skips the calling test, with the reason,
-when the browser, the driver or selenium is missing."""
+"""Headless Chromium, driven by Selenium through Debian's chromedriver (never a browser or driver
+download): the console's browser tests and `bench/load.py --console` use it. `chromium()` raises
+BrowserUnavailable, with the reason, when the browser, the driver or selenium is missing."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 DRIVER_NAMES = ("chromedriver",)
 WINDOW = (1500, 1000)
 WAIT_S = 60.0
+
+
+class BrowserUnavailable(RuntimeError):
+    """Chromium, chromedriver or selenium is not installed here."""
 
 
 def _which(names: tuple[str, ...]) -> str | None:
@@ -29,11 +31,13 @@ def chromium(profile_dir: Path) -> Iterator[Any]:
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (make install installs it)")
+    except ImportError as e:
+        raise BrowserUnavailable("selenium is not installed (make install installs it)") from e
     browser, driver = _which(CHROMIUM_NAMES), _which(DRIVER_NAMES)
     if browser is None or driver is None:
-        pytest.skip("headless Chromium needs Debian's chromium and chromium-driver (make test installs them)")
+        raise BrowserUnavailable(
+            "headless Chromium needs Debian's chromium and chromium-driver (make test installs them)"
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for arg in (
@@ -65,3 +69,12 @@ def wait_until(session: Any, condition: Callable[[Any], Any], what: str, timeout
 def console_errors(session: Any) -> list[str]:
     """What the page logged as errors (CSP violations included)."""
     return [e["message"] for e in session.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def enter_console_token(session: Any, token: str) -> None:
+    """Type an API token into the console's token form, as an operator does."""
+    from selenium.webdriver.common.by import By
+
+    session.find_element(By.ID, "token-input").send_keys(token)
+    session.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    wait_until(session, lambda d: d.find_element(By.ID, "token-held").is_displayed(), "the token to be taken")
