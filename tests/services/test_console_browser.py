@@ -22,6 +22,7 @@ from tests.services.test_console import embedded  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timing  # rerun under a CPU hog by bench/flaky.py
 JOB_DONE_S = 180.0
+JOB_STATUS_JS = "const e = document.querySelector('#job [data-status]'); return e ? e.dataset.status : null;"
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +90,12 @@ def test_a_conversion_from_the_form_to_its_artifact(
         b.find_element(By.ID, "submit-conversion").click()
         wait_until(b, lambda d: "/console/jobs/job-" in d.current_url, "the job page after submitting")
         job_id = b.current_url.rsplit("/", 1)[-1]
-        wait_until(b, lambda d: d.find_elements(By.CSS_SELECTOR, "#job [data-status]"), "the job")
-        seen = {b.find_element(By.CSS_SELECTOR, "#job [data-status]").get_attribute("data-status")}
+        # Read in one script call: the page replaces the fragment every 2 s, so an element found in
+        # one WebDriver call can be gone (stale) by the next.
+        seen: set[str | None] = set()
         wait_until(
             b,
-            lambda d: (
-                seen.add(d.find_element(By.CSS_SELECTOR, "#job [data-status]").get_attribute("data-status"))
-                or "succeeded" in seen
-            ),
+            lambda d: seen.add(d.execute_script(JOB_STATUS_JS)) or "succeeded" in seen,
             "the job to succeed (the page refreshes itself)",
             JOB_DONE_S,
         )

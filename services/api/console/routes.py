@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, TypeVar, get_args
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
@@ -19,7 +20,7 @@ from runtime.artifact.manifest import MANIFEST_NAME, Manifest
 from services.api import schemas
 from services.api.console import views
 from services.api.deps import SettingsDep, StoreDep, TokenDep
-from services.api.routes.artifacts import STORE_FAULTS, ArtifactId
+from services.api.routes.artifacts import STORE_FAULTS, ArtifactId, artifact_files
 from services.api.routes.conversions import JobId, viewer
 from services.api.routes.health import check_components
 from services.api.routes.plans import create_plan
@@ -33,6 +34,7 @@ from services.settings import ServiceSettings
 from services.storage.errors import NotFoundError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -119,6 +121,16 @@ def _job_artifacts(session: Session, job: Job) -> list[tuple[str, int, dict[str,
     return [(a.id, a.size_bytes, a.manifest) for a in found if a is not None]
 
 
+def _remember(cache: dict[str, T], limit: int, key: str, compute: Callable[[], T]) -> T:
+    """`cache[key]`, computed on first use; a full cache starts over (bounded memory)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= limit:
+            cache.clear()
+        found = cache[key] = compute()
+    return found
+
+
 _job_plans: dict[str, tuple[views.PlanGrid, str | None]] = {}
 JOB_PLANS_KEPT = 256
 
@@ -126,18 +138,16 @@ JOB_PLANS_KEPT = 256
 def _planned_grid(job: Job, settings: ServiceSettings, token: Caller) -> tuple[views.PlanGrid, str | None]:
     """The plan of a job without artifacts yet, computed once per job (its page polls every few
     seconds; planning reads the checkpoint's headers, possibly from S3)."""
-    found = _job_plans.get(job.id)
-    if found is None:
+
+    def plan() -> tuple[views.PlanGrid, str | None]:
         try:
             body = schemas.ConversionCreate.model_validate(job.spec)
             plans = create_plan(body, settings, token).plans
-            found = views.grid_from_plans(p.model_dump() for p in plans), None
+            return views.grid_from_plans(p.model_dump() for p in plans), None
         except HTTPException as e:
-            found = views.PlanGrid(), str(e.detail)
-        if len(_job_plans) >= JOB_PLANS_KEPT:
-            _job_plans.clear()
-        _job_plans[job.id] = found
-    return found
+            return views.PlanGrid(), str(e.detail)
+
+    return _remember(_job_plans, JOB_PLANS_KEPT, job.id, plan)
 
 
 @fragments.get("/jobs/{job_id}", response_class=HTMLResponse)
@@ -183,13 +193,12 @@ CHECKSUMS_KEPT = 10_000
 def manifest_sha256(artifact_id: str, manifest: dict[str, Any]) -> str:
     """sha256 of the artifact's manifest.json as the store holds it (its bytes are a function of the
     manifest; artifacts never change, so it is computed once per id)."""
-    digest = _checksums.get(artifact_id)
-    if digest is None:
-        if len(_checksums) >= CHECKSUMS_KEPT:
-            _checksums.clear()
-        manifest_bytes = Manifest.model_validate(manifest).to_json_bytes()
-        digest = _checksums[artifact_id] = hashlib.sha256(manifest_bytes).hexdigest()
-    return digest
+    return _remember(
+        _checksums,
+        CHECKSUMS_KEPT,
+        artifact_id,
+        lambda: hashlib.sha256(Manifest.model_validate(manifest).to_json_bytes()).hexdigest(),
+    )
 
 
 def _artifact_view(a: Artifact) -> views.ArtifactView:
@@ -229,10 +238,7 @@ def artifact_fragment(
         a = repo.get_artifact(s, artifact_id)
         if a is None:
             return None
-        files = [
-            schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files
-        ]
-        return _artifact_view(a), a.manifest, files
+        return _artifact_view(a), a.manifest, artifact_files(a)
 
     found = run_unit(settings, read, what="the console's artifact read", read_only=True)
     if found is None:

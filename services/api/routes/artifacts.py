@@ -33,6 +33,10 @@ def _store_fault(artifact_id: str, action: str, e: Exception) -> HTTPException:
     return store_unavailable(action)
 
 
+def artifact_files(a: Artifact) -> list[schemas.ArtifactFile]:
+    return [schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files]
+
+
 def _summary(a: Artifact) -> schemas.ArtifactSummary:
     return schemas.ArtifactSummary(
         id=a.id,
@@ -89,10 +93,7 @@ def get_artifact(artifact_id: ArtifactId, settings: SettingsDep, store: StoreDep
         a = repo.get_artifact(session, artifact_id)
         if a is None:
             return None
-        files = [
-            schemas.ArtifactFile(name=f.name, size=f.size, sha256=f.sha256, rank=f.rank) for f in a.files
-        ]
-        return _summary(a), a.manifest, files
+        return _summary(a), a.manifest, artifact_files(a)
 
     found = run_unit(settings, read, what="an artifact read", read_only=True)
     if found is None:
