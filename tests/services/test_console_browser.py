@@ -1,4 +1,4 @@
-"""The console in a real browser (headless Chromium, tests/services/browser.py) against the API the
+"""The console in a real browser (headless Chromium, devtools/browser.py) against the API the
 test starts: enter a token, plan and submit a conversion from the form, watch it finish, open its
 plan and its artifact, find it in the artifact matrix; markup in a source and an error renders as
 text. A screenshot of each page lands in the test's directory (or $KILN_CONSOLE_SCREENSHOTS)."""
