@@ -21,7 +21,6 @@ from devtools.eval import runtime_logits_fn
 from kernels.base import E2M1_VALUES
 from kernels.codecs.fp4 import pack_fp4
 from kernels.errors import UnsupportedError
-from kernels.registry import KERNELS
 from runtime.loader import load_model
 from runtime.model_layout import ModelConfig, linear_layouts
 from services.convert.errors import ConversionError, QuantConfigError, TensorLayoutError
@@ -465,10 +464,6 @@ def test_fp8_checkpoint_converts_for_cpu_and_follows_transformers(
     _converts_and_follows_transformers(path, _reference_model(reference), tmp_path / "out", "cpu_fp8")
 
 
-@pytest.mark.skipif(
-    not any(k.startswith("kernels.cpu_fp4:") for k in KERNELS),
-    reason="the cpu_fp4 kernel is not registered yet",
-)
 def test_nvfp4_checkpoint_converts_for_cpu_and_follows_transformers(
     write: Callable[..., Any], model: PreTrainedModel, tmp_path: Path
 ) -> None:
