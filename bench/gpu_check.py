@@ -165,7 +165,8 @@ def run_gpu(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     ms_list = args.m or MS
-    for n, k in () if args.moe_only else SHAPES:
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    for n, k in () if args.moe_only else shapes:
         dense = torch.randn(n, k) * 0.02
         w_bf16 = dense.to(dev, torch.bfloat16)
         xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in ms_list}
@@ -396,6 +397,64 @@ def run_moe(target: Target, ms_list: Any, failures: list[str], device: str = "cu
                     flush=True,
                 )
     return out
+
+
+# --sweep: launch configs of the dequant GEMMs at decode sizes (is a slow kernel its config or its design?)
+SWEEP_KERNELS = ("marlin_wna16", "gptq_wna16")
+SWEEP_SHAPES = ((4096, 14336), (14336, 4096))
+SWEEP_MS = (1, 16)
+
+
+def sweep_configs() -> list[Any]:
+    from kernels.launch import GemmConfig
+
+    return [
+        GemmConfig(16, bn, bk, split_k=sk, num_warps=4, num_stages=4)
+        for bn in (64, 128)
+        for bk in (64, 128)
+        for sk in (1, 4, 16)
+    ]
+
+
+def run_sweep(device: str = "cuda") -> int:
+    """Each kernel's default config and every sweep config, timed against cuBLAS bf16 (M = 1, 16)."""
+    from kernels import gptq_wna16, marlin_wna16
+    from kernels.launch import default_config
+
+    gemm = {"marlin_wna16": marlin_wna16.marlin_wna16_gemm, "gptq_wna16": gptq_wna16.gptq_wna16_gemm}
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    out = []
+    for n, k in SWEEP_SHAPES:
+        dense = torch.randn(n, k) * 0.02
+        w_bf16 = dense.to(dev, torch.bfloat16)
+        for name in SWEEP_KERNELS:
+            v = next(v for v in VARIANTS if v.kernel == name and v.label.endswith("W4A16 g128"))
+            kern, spec = get_kernel(name), v.spec(n, k)
+            tensors = {
+                t: x.to(dev) for t, x in kern.prepare(make_weight(v, n, k, dense), spec, Target.SM90).items()
+            }
+            for m in SWEEP_MS:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                base = bench(torch.matmul, x, w_bf16.T)
+                default = default_config(m, n, k, dev)
+                timed = []
+                for cfg in (default, *sweep_configs()):
+                    try:
+                        timed.append((bench(gemm[name], x, tensors, spec, cfg), cfg))
+                    except Exception as exc:  # a config the kernel cannot take (shared memory, tiles)
+                        print(f"  {name} {cfg}: {type(exc).__name__}", flush=True)
+                best_t, best = min(timed, key=lambda tc: tc[0])
+                d_t = timed[0][0]
+                print(
+                    f"sweep {name:13s} {n:>5d}x{k:<5d} M={m:<3d} bf16 {base:.4f} ms | default {d_t:.4f} ms "
+                    f"x{base / d_t:4.2f} {default} | best {best_t:.4f} ms x{base / best_t:4.2f} {best}",
+                    flush=True,
+                )
+                out.append({"kernel": name, "N": n, "K": k, "M": m, "bf16_ms": base, "default_ms": d_t,
+                            "best_ms": best_t, "best": str(best), "default": str(default)})  # fmt: skip
+    RESULTS.with_name("gpu_sweep.json").write_text(json.dumps(out, indent=1))
+    return 0
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -706,7 +765,9 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="with --compile-only: a reduced matrix")
     parser.add_argument("--m", type=int, nargs="*", help=f"M values to time (default {MS})")
+    parser.add_argument("--shapes", nargs="*", help="NxK shapes to time (default: all three)")
     parser.add_argument("--moe-only", action="store_true", help="time the fused MoE kernels only")
+    parser.add_argument("--sweep", action="store_true", help="launch-config sweep of the W4A16 GEMMs")
     parser.add_argument("--skip-moe", action="store_true", help="skip the fused MoE timings")
     args = parser.parse_args()
     if args.compile_only:
@@ -714,7 +775,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: run with --compile-only to check that the kernels compile", file=sys.stderr)
         return 2
-    return run_gpu(args)
+    return run_sweep() if args.sweep else run_gpu(args)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from kernels.base import (
     token_quantized_reference,
     with_bias,
 )
+from kernels.codecs.exact import exact_div
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
 from kernels.errors import LayoutError
 from kernels.fp8_tiles import fp8_tiles
@@ -146,7 +147,8 @@ class Fp8W8A8Kernel(TokenScaledKernel):
 def quantize_per_token_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (q (M, K) e4m3, scale (M,) fp32), vLLM's dynamic per-token semantics, in torch."""
     xf = x2.float()
-    scale = (xf.abs().amax(dim=1) / E4M3_MAX).clamp(min=MIN_TOKEN_SCALE)
+    amax = xf.abs().amax(dim=1)
+    scale = exact_div(amax, E4M3_MAX).clamp(min=MIN_TOKEN_SCALE)
     q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     return q, scale
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.base import IntWeight, LinearSpec
+from kernels.codecs.exact import exact_div
 from kernels.errors import LayoutError
 
 CODE_BIAS = 128  # uint8b128: real integer = code - 128
@@ -50,6 +51,6 @@ def symmetric_channelwise_int8(
 def quantize_per_token_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (q (M, K) int8, scale (M,) float32); x ≈ q * scale[:, None]."""
     xf = x2.float()
-    scale = xf.abs().amax(dim=1).clamp_(min=MIN_AMAX).div_(SCALE_DIVISOR)
+    scale = exact_div(xf.abs().amax(dim=1).clamp_(min=MIN_AMAX), SCALE_DIVISOR)
     q = torch.div(xf, scale[:, None]).round_().clamp_(-128.0, INT8_MAX).to(torch.int8)
     return q, scale

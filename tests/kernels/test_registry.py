@@ -298,3 +298,21 @@ def test_int8_activation_layers_run_w8a8_where_a_kernel_can_and_w8a16_elsewhere(
     fp16 = dataclasses.replace(INT8_W8A8, act_dtype="float16")  # sm75 has fp16 tensor cores only
     sm75 = registry.choose_kernel(fp16, Target.SM75)
     assert sm75.kernel.name == "gptq_wna16" and "int8_w8a8" not in dict(sm75.rejected)
+
+
+def test_every_gpu_kernel_has_cases_on_the_real_device() -> None:
+    """A kernel registered for a GPU target (a Triton kernel; `dense` is torch's own matmul) cannot
+    land without its cases in tests/kernels/test_gpu_kernels_cuda.py (run by bench/gpu_check.sh)."""
+    from kernels.registry import BUILTIN_KERNELS, FUSED_MOE_KERNELS, MOE_KERNELS
+    from tests.kernels.test_gpu_kernels_cuda import CUDA_CASES
+    from tests.kernels.test_moe_kernels import CASES as MOE_CUDA_CASES
+
+    gpu_linear = {n for n, k in BUILTIN_KERNELS.items() if any(t.is_gpu for t in k.targets)} - {"dense"}
+    assert gpu_linear <= set(CUDA_CASES), f"no CUDA cases for {sorted(gpu_linear - set(CUDA_CASES))}"
+    fused = {
+        k.name
+        for k in MOE_KERNELS.values()
+        if f"{type(k).__module__}:{type(k).__name__}" in FUSED_MOE_KERNELS
+    }
+    assert len(fused) == len(FUSED_MOE_KERNELS)
+    assert fused <= set(MOE_CUDA_CASES), f"no CUDA cases for {sorted(fused - set(MOE_CUDA_CASES))}"

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from devtools.eval import runtime_logits_fn
+from devtools.reference import RoutedReference, fake_quantize_online_fp8
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load_model
 from runtime.sampling import SamplingParams
@@ -97,40 +98,7 @@ def _convert(source: Path, out: Path, method: str = "auto", **kw: Any) -> Path:
     return out / result.manifest.artifact_id
 
 
-# --- the reference ----------------------------------------------------------------------------------
-
-
-def _fake_fp8(w: torch.Tensor) -> torch.Tensor:
-    """One e4m3 scale for the whole tensor (amax / 448), round to e4m3 and back."""
-    scale = w.abs().amax().float() / 448.0
-    return ((w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
-
-
-@torch.no_grad()
-def fake_quantize_online_fp8(model: Any) -> Any:
-    """The bf16 model as the converter's per-tensor online FP8 leaves it: q|k|v and gate|up fused
-    under one scale, o / down one each, each expert's gate|up one scale and its down another; the
-    router, embeddings, norms and lm_head untouched."""
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        fq = _fake_fp8(qkv)
-        sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-        for lin, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), fq.split(sizes), strict=True):
-            lin.weight.copy_(part)
-        attn.o_proj.weight.copy_(_fake_fp8(attn.o_proj.weight))
-        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
-        experts = getattr(block, "experts", None)
-        if experts is None:
-            gate_up = _fake_fp8(torch.cat([block.gate_proj.weight, block.up_proj.weight]))
-            block.gate_proj.weight.copy_(gate_up[: block.gate_proj.weight.shape[0]])
-            block.up_proj.weight.copy_(gate_up[block.gate_proj.weight.shape[0] :])
-            block.down_proj.weight.copy_(_fake_fp8(block.down_proj.weight))
-            continue
-        for e in range(experts.gate_up_proj.shape[0]):
-            experts.gate_up_proj[e].copy_(_fake_fp8(experts.gate_up_proj[e]))  # (2I, H)
-            experts.down_proj[e].copy_(_fake_fp8(experts.down_proj[e]))  # (H, I)
-    return model
+# --- the reference ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -138,35 +106,13 @@ class Cell:
     name: str
     loaded: LoadedModel
     artifact: Path
-    reference: Any  # transformers model, fp32
-    routers: dict[str, torch.Tensor]  # filled by forward hooks: MoE layer -> (T, E) router logits
+    reference: RoutedReference  # transformers model, fp32, its routers' logits recorded
 
-    @torch.inference_mode()
     def reference_logits(
         self, ids: list[int], tie_gap: float = ROUTER_TIE_LOGIT_GAP
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, V) fp32 logits and (T,) bool: routing decided in every MoE layer at that position
-        (its k-th router logit at least `tie_gap` above the next)."""
-        self.routers.clear()
-        logits = self.reference(torch.tensor([ids])).logits[0].float()
-        decided = torch.ones(len(ids), dtype=torch.bool)
-        top_k = self.reference.config.num_experts_per_tok if self.routers else 0
-        for router_logits in self.routers.values():
-            top = router_logits.reshape(len(ids), -1).topk(top_k + 1, dim=-1).values
-            decided &= (top[:, top_k - 1] - top[:, top_k]) >= tie_gap
-        return logits, decided
-
-
-def _record_router_logits(model: Any, into: dict[str, torch.Tensor]) -> None:
-    def hook(name: str) -> Callable[..., None]:
-        def record(_module: Any, _inputs: Any, output: Any) -> None:
-            into[name] = (output[0] if isinstance(output, tuple) else output).detach().float()
-
-        return record
-
-    for name, module in model.named_modules():
-        if name.endswith((".mlp.gate", ".block_sparse_moe.gate")):
-            module.register_forward_hook(hook(name))
+        """(T, V) fp32 logits and (T,) bool: routing decided in every MoE layer at that position."""
+        return self.reference.logits(ids, tie_gap)
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +128,10 @@ def cells(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             fixture, method, _ = CELLS[name]
             source: Path = request.getfixturevalue(fixture)
             artifact = _convert(source, tmp_path_factory.mktemp(name), method)
-            reference = load_reference_model(source)  # its own copy: hooks are added below
+            reference = load_reference_model(source)  # its own copy: hooks are added to it
             if method == "fp8":
                 reference = fake_quantize_online_fp8(reference)
-            routers: dict[str, torch.Tensor] = {}
-            _record_router_logits(reference, routers)
-            built[name] = Cell(name, load_model(artifact), artifact, reference, routers)
+            built[name] = Cell(name, load_model(artifact), artifact, RoutedReference(reference))
         return built[name]
 
     return get
@@ -273,7 +217,7 @@ def test_fp4_prompt_logprobs_match_transformers(name: str, cells: Callable[[str]
     cell = cells(name)
     logits_fn = runtime_logits_fn(cell.loaded)
     moe = bool(cell.loaded.manifest.expert_groups)
-    control = _wrong_routing(cell.reference) if moe else None
+    control = _wrong_routing(cell.reference.model) if moe else None
     diffs, control_diffs = [], []
     for ids in PROMPTS:
         want = _prompt_logprobs(cell.reference_logits(ids)[0], ids)
