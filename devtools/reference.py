@@ -61,11 +61,19 @@ def _fake_fp8(w: torch.Tensor) -> torch.Tensor:
     return ((w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
+def _fake_fp8_mlp(mlp: Any) -> None:
+    """A SwiGLU MLP as online FP8 stores it: gate|up under one scale, down under its own."""
+    gate_up = _fake_fp8(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    mlp.gate_proj.weight.copy_(gate_up[: mlp.gate_proj.weight.shape[0]])
+    mlp.up_proj.weight.copy_(gate_up[mlp.gate_proj.weight.shape[0] :])
+    mlp.down_proj.weight.copy_(_fake_fp8(mlp.down_proj.weight))
+
+
 @torch.no_grad()
 def fake_quantize_online_fp8(model: Any) -> Any:
     """The bf16 model as the converter's per-tensor online FP8 leaves it: q|k|v and gate|up fused
-    under one scale, o / down one each, each expert's gate|up one scale and its down another; the
-    router, embeddings, norms and lm_head untouched."""
+    under one scale, o / down one each, each expert's (and a shared expert's) gate|up one scale and
+    its down another; the routers, the shared expert's gate, embeddings, norms and lm_head untouched."""
     for layer in model.model.layers:
         attn = layer.self_attn
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -77,11 +85,10 @@ def fake_quantize_online_fp8(model: Any) -> Any:
         block = getattr(layer, "mlp", None) or layer.block_sparse_moe
         experts = getattr(block, "experts", None)
         if experts is None:
-            gate_up = _fake_fp8(torch.cat([block.gate_proj.weight, block.up_proj.weight]))
-            block.gate_proj.weight.copy_(gate_up[: block.gate_proj.weight.shape[0]])
-            block.up_proj.weight.copy_(gate_up[block.gate_proj.weight.shape[0] :])
-            block.down_proj.weight.copy_(_fake_fp8(block.down_proj.weight))
+            _fake_fp8_mlp(block)
             continue
+        if getattr(block, "shared_expert", None) is not None:  # Qwen2-MoE (its sigmoid gate stays)
+            _fake_fp8_mlp(block.shared_expert)
         for e in range(experts.gate_up_proj.shape[0]):
             experts.gate_up_proj[e].copy_(_fake_fp8(experts.gate_up_proj[e]))  # (2I, H)
             experts.down_proj[e].copy_(_fake_fp8(experts.down_proj[e]))  # (H, I)

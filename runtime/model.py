@@ -1,5 +1,6 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings),
-Qwen3 (per-head q/k RMSNorm), and the mixture-of-experts Qwen3-MoE and Mixtral (`SparseMoeBlock`).
+Qwen3 (per-head q/k RMSNorm), and the mixture-of-experts Qwen2-MoE (with its gated shared expert),
+Qwen3-MoE and Mixtral (`SparseMoeBlock`).
 
 Every linear layer is a `KernelLinear`: the kernel named in the manifest plus the tensors it
 prepared, resolved once at load, so the hot path is `kernel.apply(x, tensors, spec)` with no
@@ -305,6 +306,14 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.moe.top_k
         self.renormalize = cfg.moe.renormalize
         self.all_reduce = world_size > 1
+        # Qwen2-MoE's shared expert: a dense MLP (TP-split like any, all-reduced in its down_proj)
+        # behind a sigmoid gate, added after the routed experts' all-reduce.
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: KernelLinear | None = None
+        if cfg.moe.shared_expert_intermediate:
+            gate_name = arch.experts.shared_expert_gate(idx)
+            self.shared_expert = MLP(gate_name.removesuffix("_gate"), world_size)
+            self.shared_expert_gate = KernelLinear(gate_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -315,6 +324,9 @@ class SparseMoeBlock(nn.Module):
         y = self.experts.forward(flat, ids, weights)
         if self.all_reduce:
             torch.distributed.all_reduce(y)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            scale = torch.sigmoid(self.shared_expert_gate.forward(flat).float())  # (T, 1)
+            y = y + (self.shared_expert.forward(flat).float() * scale).to(y.dtype)
         return y.view(x.shape)
 
 
@@ -409,9 +421,9 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.residual_dtype = residual_dtype(dtype, self.device)
-        for layer in self.layers:
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.residual_dtype = self.residual_dtype
+        for mlp in self.modules():
+            if isinstance(mlp, MLP):
+                mlp.residual_dtype = self.residual_dtype
         cos, sin = rope_tables(self.cfg, max_len, self.residual_dtype)
         self.cos, self.sin = (t.to(device) for t in rope_tables_full(cos, sin))
 

@@ -53,6 +53,7 @@ DIMENSION_CAPS: dict[str, int] = {
     "hidden_size": MAX_DIMENSION,
     "intermediate_size": MAX_DIMENSION,
     "moe_intermediate_size": MAX_DIMENSION,
+    "shared_expert_intermediate_size": MAX_DIMENSION,
     "num_attention_heads": MAX_HEADS,
     "num_key_value_heads": MAX_HEADS,
     "head_dim": MAX_DIMENSION,
@@ -263,6 +264,9 @@ class MoEConfig:
     renormalize: bool  # top-k routing weights rescaled to sum to 1
     sparse_step: int = 1  # every sparse_step-th layer is an expert layer (Qwen MoE)
     dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead (mlp_only_layers)
+    # Qwen2-MoE: a dense SwiGLU expert every token goes through, its output scaled by
+    # sigmoid(shared_expert_gate(x)) (a (1, H) linear) and added to the routed experts' sum
+    shared_expert_intermediate: int = 0
 
     def applies_to(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -312,10 +316,12 @@ def attention_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
     ]
 
 
-def mlp_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
-    """A dense SwiGLU MLP: fused gate|up, down."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    mlp = f"model.layers.{layer}.mlp"
+def mlp_linears(
+    cfg: ModelConfig, layer: int, mlp: str | None = None, intermediate: int | None = None
+) -> list[LinearLayout]:
+    """A dense SwiGLU MLP: fused gate|up, down (the decoder layer's `mlp` unless named)."""
+    h, i = cfg.hidden_size, intermediate or cfg.intermediate_size
+    mlp = mlp or f"model.layers.{layer}.mlp"
     return [
         LinearLayout(
             f"{mlp}.gate_up_proj",
@@ -381,6 +387,7 @@ class ExpertNaming:
     intermediate_key: str
     renormalize_key: str | None  # None: always renormalize (Mixtral's softmax over the top k)
     renormalize_default: bool = False
+    shared_expert_key: str | None = None  # config key of a shared expert's size (Qwen2-MoE)
 
     def parse(self, read: ConfigValues, num_layers: int) -> MoEConfig | None:
         key = next((k for k in self.num_experts_keys if read.cfg.get(k)), None)
@@ -404,6 +411,11 @@ class ExpertNaming:
             renormalize=renormalize,
             sparse_step=read.integer("decoder_sparse_step", MAX_LAYERS, default=1),
             dense_layers=frozenset(i for i in dense if 0 <= i < num_layers),
+            shared_expert_intermediate=(
+                read.integer(self.shared_expert_key, MAX_DIMENSION, lo=0, default=0)
+                if self.shared_expert_key
+                else 0
+            ),
         )
 
     def router(self, cfg: ModelConfig, layer: int) -> LinearLayout:
@@ -411,6 +423,21 @@ class ExpertNaming:
         name = f"model.layers.{layer}.{self.block}.gate"
         shard = (ShardLayout(name, cfg.moe.num_experts),)
         return LinearLayout(name, shard, cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True)
+
+    def shared_expert_gate(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.block}.shared_expert_gate"
+
+    def shared_expert_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
+        """The shared expert's gate (1, H), replicated like the router, and its SwiGLU MLP."""
+        assert cfg.moe is not None
+        if not cfg.moe.shared_expert_intermediate:
+            return []
+        name = self.shared_expert_gate(layer)
+        gate = LinearLayout(
+            name, (ShardLayout(name, 1),), cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True
+        )
+        mlp = f"model.layers.{layer}.{self.block}.shared_expert"
+        return [gate, *mlp_linears(cfg, layer, mlp, cfg.moe.shared_expert_intermediate)]
 
     def group(self, cfg: ModelConfig, layer: int) -> ExpertGroupLayout:
         assert cfg.moe is not None
@@ -441,7 +468,11 @@ class Architecture:
     def decoder_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
         """The linear layers of one decoder layer, in execution order (an MoE layer: its router)."""
         if self.experts is not None and cfg.is_moe_layer(layer):
-            return [*attention_linears(cfg, layer), self.experts.router(cfg, layer)]
+            return [
+                *attention_linears(cfg, layer),
+                self.experts.router(cfg, layer),
+                *self.experts.shared_expert_linears(cfg, layer),
+            ]
         return llama_decoder_linears(cfg, layer)
 
     def expert_group(self, cfg: ModelConfig, layer: int) -> ExpertGroupLayout | None:
@@ -457,6 +488,7 @@ QWEN_MOE = ExpertNaming(
     intermediate_key="moe_intermediate_size",
     renormalize_key="norm_topk_prob",
 )
+QWEN2_MOE = dataclasses.replace(QWEN_MOE, shared_expert_key="shared_expert_intermediate_size")
 MIXTRAL_MOE = ExpertNaming(
     block="block_sparse_moe",
     parts=(("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")),
@@ -471,6 +503,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", sliding_window=True),
         Architecture("Qwen2ForCausalLM", qkv_bias=True),
         Architecture("Qwen3ForCausalLM", qk_norm=True),
+        Architecture("Qwen2MoeForCausalLM", qkv_bias=True, experts=QWEN2_MOE),
         Architecture("Qwen3MoeForCausalLM", qk_norm=True, experts=QWEN_MOE),
         Architecture("MixtralForCausalLM", sliding_window=True, experts=MIXTRAL_MOE),
     )

@@ -109,6 +109,11 @@ REAL_CELLS = [
     ("mixtral_bf16", "cpu", "dense_experts"),
     ("qwen3_moe_odd_gptq", "cpu", "cpu_int4_experts"),
     ("qwen3_moe_odd_fp8_dynamic", "sm90", "fp8_moe_w8a8"),
+    ("qwen2_moe_gptq", "cpu", "cpu_int4_experts"),
+    ("qwen2_moe_gptq", "sm80", "marlin_moe_wna16"),
+    ("qwen2_moe_fp8_dynamic", "sm90", "fp8_moe_w8a8"),
+    ("qwen2_moe_fp8_dynamic", "sm80", "fp8_moe_w8a16"),
+    ("qwen2_moe_bf16", "cpu", "dense_experts"),
 ]
 
 

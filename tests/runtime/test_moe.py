@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from devtools.eval import runtime_logits_fn
+from devtools.eval import generate_greedy, runtime_logits_fn
 from devtools.reference import RoutedReference, fake_quantize_online_fp8
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load_model
@@ -80,8 +80,15 @@ CELLS: dict[str, tuple[str, str, str | None]] = {
     "qwen3-moe-nvfp4a16": ("qwen3_moe_nvfp4a16", "auto", "cpu_fp4_experts"),
     "qwen3-moe-nvfp4-w4a4": ("qwen3_moe_nvfp4", "auto", "cpu_fp4_experts"),
     "qwen3-moe-mxfp4a16": ("qwen3_moe_mxfp4a16", "auto", "cpu_fp4_experts"),
+    "qwen2-moe-bf16": ("qwen2_moe_bf16", "auto", "dense_experts"),
+    "qwen2-moe-bf16-online-fp8": ("qwen2_moe_bf16", "fp8", "cpu_fp8_experts"),
+    "qwen2-moe-gptq-w4a16": ("qwen2_moe_gptq", "auto", "cpu_int4_experts"),
+    "qwen2-moe-fp8-dynamic": ("qwen2_moe_fp8_dynamic", "auto", "cpu_fp8_experts"),
 }
 FP4_CELLS = [name for name in CELLS if "fp4" in name]
+# Architectures added after the first MoE ones: checked like the FP4 cells (against a wrong-routing
+# control) and on a greedy continuation.
+QWEN2_MOE_CELLS = [name for name in CELLS if name.startswith("qwen2-moe")]
 # Served over HTTP and decoded with an FP8 KV cache: each architecture and kind of source once.
 SERVED_CELLS = [
     "qwen3-dense-bf16",
@@ -89,6 +96,7 @@ SERVED_CELLS = [
     "mixtral-fp8-dynamic",
     "qwen3-moe-bf16-online-fp8",
     "qwen3-moe-nvfp4a16",
+    "qwen2-moe-gptq-w4a16",
 ]
 
 
@@ -187,11 +195,18 @@ def test_logits_match_transformers(cell: Cell) -> None:
     assert decided_cat.float().mean().item() >= MIN_DECIDED_FRACTION, "too many router near-ties to judge"
 
 
-# FP4 acceptance: mean |Δ| of prompt log-probabilities against transformers fp32 on the dequantized
-# weights; an MoE model also against a control that routes every token to the wrong experts.
+# FP4 and new-architecture acceptance: mean |Δ| of prompt log-probabilities against transformers fp32
+# on the dequantized weights; an MoE model also against a control that routes every token to the
+# wrong experts.
 FP4_DENSE_MEAN_LOGPROB_ATOL = 0.05
 FP4_MOE_MEAN_LOGPROB_ATOL = 0.08
 FP4_MOE_CONTROL_FRACTION = 0.2
+# Greedy continuation: transformers' top-2 logit margin at every step of the chosen prompt's reference
+# continuation is at least this (else a rounding could pick the runner-up and the check says nothing):
+# twice the largest |Δ logit| these cells show (0.018). Random tiny models have flat logits, so the
+# prompt is the candidate with the widest margin.
+GREEDY_MIN_TOP2_MARGIN = 0.04
+GREEDY_CONTINUATION = 16
 
 
 def _prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -211,9 +226,11 @@ def _wrong_routing(reference: Any) -> Any:
     return control
 
 
-@pytest.mark.parametrize("name", FP4_CELLS)
+@pytest.mark.parametrize("name", FP4_CELLS + QWEN2_MOE_CELLS)
 @torch.inference_mode()
-def test_fp4_prompt_logprobs_match_transformers(name: str, cells: Callable[[str], Cell]) -> None:
+def test_prompt_logprobs_match_transformers_and_beat_wrong_routing(
+    name: str, cells: Callable[[str], Cell]
+) -> None:
     cell = cells(name)
     logits_fn = runtime_logits_fn(cell.loaded)
     moe = bool(cell.loaded.manifest.expert_groups)
@@ -234,6 +251,32 @@ def test_fp4_prompt_logprobs_match_transformers(name: str, cells: Callable[[str]
     print(f"\n{name}: mean |Δ logprob| {mean:.4f}, wrong-routing control {control_mean:.4f}")
     assert mean <= FP4_MOE_MEAN_LOGPROB_ATOL, mean
     assert mean <= FP4_MOE_CONTROL_FRACTION * control_mean, (mean, control_mean)
+
+
+def _clear_margin_prompt(cell: Cell) -> tuple[list[int], list[int]]:
+    """The first candidate prompt whose greedy continuation under transformers keeps its top-2 logit
+    margin at GREEDY_MIN_TOP2_MARGIN or more at every step: (prompt, continuation)."""
+    best = 0.0
+    for prompt in [*PROMPTS, *(list(range(b, b + 12)) for b in range(0, 250, 10))]:
+        out = cell.reference.model.generate(
+            torch.tensor([prompt]), max_new_tokens=GREEDY_CONTINUATION, min_new_tokens=GREEDY_CONTINUATION,
+            do_sample=False, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values  # (steps, 2)
+        margin = (top2[:, 0] - top2[:, 1]).min().item()
+        if margin >= GREEDY_MIN_TOP2_MARGIN:
+            return prompt, out.sequences[0, len(prompt) :].tolist()
+        best = max(best, margin)
+    raise AssertionError(f"no prompt with a clear greedy path (best margin {best:.3f})")
+
+
+@pytest.mark.parametrize("name", QWEN2_MOE_CELLS)
+@torch.inference_mode()
+def test_greedy_continuation_equals_transformers(name: str, cells: Callable[[str], Cell]) -> None:
+    cell = cells(name)
+    prompt, continuation = _clear_margin_prompt(cell)
+    got = generate_greedy(cell.loaded, prompt, GREEDY_CONTINUATION, ignore_eos=True).token_ids
+    assert got == continuation, (prompt, got, continuation)
 
 
 @torch.inference_mode()
@@ -297,7 +340,7 @@ def test_completions_echo_logprobs_match_transformers(served_cell: Cell) -> None
 # --- tensor and expert parallel ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16"])
+@pytest.mark.parametrize("fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16", "qwen2_moe_fp8_dynamic"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_ranks_give_the_same_greedy_tokens_as_one(
     fixture: str, expert_parallel: bool, tmp_path: Path, request: pytest.FixtureRequest

@@ -190,23 +190,42 @@ def fp4_paths(scheme: str) -> tuple[Path, Path]:
     return source, smollm2.build_artifact(source, "cpu")
 
 
-def fp4_jobs() -> list[dict[str, Any]]:
+def bf16_jobs(tag: str, paths: dict[str, tuple[Path, Path]], originals: set[str]) -> list[dict[str, Any]]:
+    """A bfloat16 job per artifact (`<tag>-art:<scheme>`) and per original checkpoint named in
+    `originals` (`<tag>-src:<scheme>`); `paths`: scheme -> (original, artifact)."""
     jobs = []
-    for scheme in FP4_SCHEMES:
-        source, art = fp4_paths(scheme)
-        common = {"dtype": "bfloat16", "prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS}
-        jobs.append({"id": f"fp4-art:{scheme}", "model": str(art), **common})
-        jobs.append({"id": f"fp4-src:{scheme}", "model": str(source), "load_format": "auto", **common})
+    common = {"dtype": "bfloat16", "prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS}
+    for scheme, (source, art) in paths.items():
+        jobs.append({"id": f"{tag}-art:{scheme}", "model": str(art), **common})
+        if scheme in originals:
+            jobs.append({"id": f"{tag}-src:{scheme}", "model": str(source), "load_format": "auto", **common})
     return jobs
 
 
+# Qwen2-MoE (a sigmoid-gated shared expert beside the routed ones): vLLM runs the shared expert as its
+# own module over the plugin's linear layers. The bf16 original runs on vLLM's CPU build; the GPTQ
+# original needs AMX (VLLM_CPU_CANNOT_WITHOUT_AMX), so its artifact is compared with kiln serve.
+QWEN2_MOE_SCHEMES = ("bf16", "gptq-w4a16")
+
+
+def qwen2_moe_paths(scheme: str) -> tuple[Path, Path]:
+    """(original checkpoint, CPU artifact) of the Qwen2-MoE source or its llm-compressor GPTQ."""
+    from devtools.builders import moe, smollm2
+
+    source = moe.build_qwen2_moe()
+    if scheme != "bf16":
+        source = moe.build_quantized(source, scheme)
+    return source, smollm2.build_artifact(source, "cpu")
+
+
 def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
-    """The head-dtype override, an artifact for another target (refused before any read), and the
-    FP4 artifacts with their originals."""
+    """The head-dtype override, an artifact for another target (refused before any read), the FP4
+    artifacts with their originals and the Qwen2-MoE ones."""
     gpu_source = write_checkpoint(tmp / "gpu-src", "gptq")
     gpu_artifact = convert(ConversionRequest(str(gpu_source), ["sm80"], out=str(tmp / "gpu-out")))[0].uri
     return [
-        *fp4_jobs(),
+        *bf16_jobs("fp4", {s: fp4_paths(s) for s in FP4_SCHEMES}, set(FP4_SCHEMES)),
+        *bf16_jobs("qwen2-moe", {s: qwen2_moe_paths(s) for s in QWEN2_MOE_SCHEMES}, {"bf16"}),
         {
             "id": "head-fp32", "model": str(artifact("gptq", "float32")), "dtype": "bfloat16",
             "hf_overrides": {"head_dtype": "float32"}, "prompt_token_ids": PROMPT_IDS,
@@ -336,6 +355,25 @@ def test_vllm_serves_an_fp4_artifact_it_cannot_serve_from_the_original(
     print(f"{scheme}: vLLM plugin vs kiln serve mean {vs_kiln:.4f}; original: {original['error'][-300:]}")
     assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
     assert not original["ok"] and VLLM_CPU_FP4_ERRORS[scheme] in original["error"]
+
+
+@pytest.mark.parametrize("scheme", QWEN2_MOE_SCHEMES)
+def test_vllm_serves_a_qwen2_moe_artifact_with_its_shared_expert(scheme: str, matrix: MatrixRun) -> None:
+    """The plugin's routed experts plus vLLM's own shared expert over the plugin's linear layers
+    match kiln serve, and (bf16) vLLM serving the original checkpoint."""
+    art = matrix.vllm[f"qwen2-moe-art:{scheme}"]
+    assert art["ok"], art["error"]
+    assert len(art["output_token_ids"]) == MAX_TOKENS
+    _report_is_views_and_casts(art["report"])
+    vs_kiln = _mean(art["prompt_logprobs"], _kiln_prompt_logprobs(qwen2_moe_paths(scheme)[1]))
+    print(f"qwen2-moe {scheme}: vLLM plugin vs kiln serve mean {vs_kiln:.4f}")
+    assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
+    original = matrix.vllm.get(f"qwen2-moe-src:{scheme}")
+    if original is not None:
+        assert original["ok"], original["error"]
+        vs_original = _mean(art["prompt_logprobs"], original["prompt_logprobs"])
+        print(f"qwen2-moe {scheme}: vLLM plugin vs vLLM on the original mean {vs_original:.4f}")
+        assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
 
 
 def test_an_artifact_for_a_gpu_is_refused_before_a_weight_is_read(matrix: MatrixRun) -> None:
