@@ -83,6 +83,7 @@ CELLS = (
     GpuCell("qwen3-moe-fp8-dynamic", "qwen3-moe-marlin", "fp8-dynamic", targets=("sm90", "sm80")),
     GpuCell("qwen3-moe-fp8-block", "qwen3-moe-marlin", "fp8-block"),
     GpuCell("mixtral-gptq-w4a16", "mixtral", "gptq-w4a16"),
+    GpuCell("qwen2-moe-gptq-w4a16", "qwen2-moe", "gptq-w4a16"),  # shared expert (never run on a GPU)
     GpuCell("llama-w8a8-int8", "llama", "w8a8-int8"),
     GpuCell("llama-nvfp4a16", "llama", "nvfp4-a16"),
     GpuCell("llama-mxfp4a16", "llama", "mxfp4-a16"),
