@@ -294,7 +294,7 @@ def check(root: Path, device: str, only: list[str] | None) -> int:
         print(f"device: cpu, torch {torch.__version__}", flush=True)
     results, failures = [], []
     for ref_file in sorted(root.glob("*/reference.pt")):
-        ref = torch.load(ref_file, weights_only=False)
+        ref = torch.load(ref_file, weights_only=True)
         if only and ref["cell"] not in only:
             continue
         targets = [t for t in ref["artifacts"] if (t == "cpu") == (device == "cpu")]
