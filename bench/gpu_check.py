@@ -418,10 +418,11 @@ def sweep_configs() -> list[Any]:
 
 def run_sweep(device: str = "cuda") -> int:
     """Each kernel's default config and every sweep config, timed against cuBLAS bf16 (M = 1, 16)."""
-    from kernels import gptq_wna16, marlin_wna16
+    import importlib
+
     from kernels.launch import default_config
 
-    gemm = {"marlin_wna16": marlin_wna16.marlin_wna16_gemm, "gptq_wna16": gptq_wna16.gptq_wna16_gemm}
+    gemm = {n: getattr(importlib.import_module(f"kernels.{n}"), f"{n}_gemm") for n in SWEEP_KERNELS}
     dev = torch.device(device)
     torch.manual_seed(0)
     out = []

@@ -73,6 +73,21 @@ class GpuCell:
     method: str = "auto"
     targets: tuple[str, ...] = ("sm90",)
 
+    def checkpoint(self) -> Path:
+        """The source built (once per cache) and, with a scheme, quantized by llm-compressor."""
+        from devtools.builders.moe import build_quantized, build_source
+
+        source = build_source(self.source)
+        return build_quantized(source, self.scheme) if self.scheme else source
+
+    def reference_model(self, checkpoint: Path) -> Any:
+        """transformers fp32 on the dequantized weights, rounded as online FP8 stores them if asked."""
+        from devtools.builders.moe import load_reference_model
+        from devtools.reference import fake_quantize_online_fp8
+
+        model = load_reference_model(checkpoint)
+        return fake_quantize_online_fp8(model) if self.method == "fp8" else model
+
 
 CELLS = (
     GpuCell("qwen3-dense-bf16", "qwen3-dense", None),  # dense
@@ -98,8 +113,7 @@ CELLS = (
 def prepare(out: Path, only: list[str] | None) -> int:
     import shutil
 
-    from devtools.builders.moe import build_quantized, build_source, load_reference_model
-    from devtools.reference import RoutedReference, fake_quantize_online_fp8
+    from devtools.reference import RoutedReference
     from services.convert.library import ConversionRequest, convert
 
     torch.set_num_threads(2)
@@ -108,12 +122,8 @@ def prepare(out: Path, only: list[str] | None) -> int:
         if only and cell.name not in only:
             continue
         t0 = time.perf_counter()
-        source = build_source(cell.source)
-        checkpoint = build_quantized(source, cell.scheme) if cell.scheme else source
-        ref_model = load_reference_model(checkpoint)
-        if cell.method == "fp8":
-            ref_model = fake_quantize_online_fp8(ref_model)
-        ref = RoutedReference(ref_model)
+        checkpoint = cell.checkpoint()
+        ref = RoutedReference(cell.reference_model(checkpoint))
         rows = []
         for prompt in PROMPTS:
             continuation = ref.greedy(prompt, CONTINUATION)
@@ -177,16 +187,12 @@ def _quantize_inputs(model: Any, kind: str) -> None:
 
 
 def spread() -> int:
-    from devtools.builders.moe import build_quantized, build_source, load_reference_model
-    from devtools.reference import RoutedReference, fake_quantize_online_fp8
+    from devtools.reference import RoutedReference
 
     torch.set_num_threads(2)
     for cell in (c for c in CELLS if c.name in SPREAD_CELLS):
-        source = build_source(cell.source)
-        checkpoint = build_quantized(source, cell.scheme) if cell.scheme else source
-        models = [load_reference_model(checkpoint) for _ in range(2)]
-        if cell.method == "fp8":
-            models = [fake_quantize_online_fp8(m) for m in models]
+        checkpoint = cell.checkpoint()
+        models = [cell.reference_model(checkpoint) for _ in range(2)]
         _quantize_inputs(models[1], SPREAD_CELLS[cell.name])
         plain, quantized = (RoutedReference(m) for m in models)
         worst, means = 0.0, []

@@ -311,9 +311,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: KernelLinear | None = None
         if cfg.moe.shared_expert_intermediate:
-            gate_name = arch.experts.shared_expert_gate(idx)
-            self.shared_expert = MLP(gate_name.removesuffix("_gate"), world_size)
-            self.shared_expert_gate = KernelLinear(gate_name)
+            shared = arch.experts.shared_expert(idx)
+            self.shared_expert = MLP(shared, world_size)
+            self.shared_expert_gate = KernelLinear(f"{shared}_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

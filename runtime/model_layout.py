@@ -424,19 +424,20 @@ class ExpertNaming:
         shard = (ShardLayout(name, cfg.moe.num_experts),)
         return LinearLayout(name, shard, cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True)
 
-    def shared_expert_gate(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.block}.shared_expert_gate"
+    def shared_expert(self, layer: int) -> str:
+        """The shared expert's module (its gate is this name + "_gate")."""
+        return f"model.layers.{layer}.{self.block}.shared_expert"
 
     def shared_expert_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
         """The shared expert's gate (1, H), replicated like the router, and its SwiGLU MLP."""
         assert cfg.moe is not None
         if not cfg.moe.shared_expert_intermediate:
             return []
-        name = self.shared_expert_gate(layer)
+        mlp = self.shared_expert(layer)
+        name = f"{mlp}_gate"
         gate = LinearLayout(
             name, (ShardLayout(name, 1),), cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True
         )
-        mlp = f"model.layers.{layer}.{self.block}.shared_expert"
         return [gate, *mlp_linears(cfg, layer, mlp, cfg.moe.shared_expert_intermediate)]
 
     def group(self, cfg: ModelConfig, layer: int) -> ExpertGroupLayout:

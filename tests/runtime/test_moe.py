@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from devtools.eval import generate_greedy, runtime_logits_fn
-from devtools.reference import RoutedReference, fake_quantize_online_fp8
+from devtools.reference import ROUTER_MODULE_SUFFIXES, RoutedReference, fake_quantize_online_fp8
 from runtime.engine import Engine
 from runtime.loader import LoadedModel, load_model
 from runtime.sampling import SamplingParams
@@ -221,7 +221,7 @@ def _wrong_routing(reference: Any) -> Any:
 
     control = copy.deepcopy(reference)
     for name, module in control.named_modules():
-        if name.endswith((".mlp.gate", ".block_sparse_moe.gate")):
+        if name.endswith(ROUTER_MODULE_SUFFIXES):
             module.weight.data = module.weight.data.roll(1, 0)
     return control
 
