@@ -104,6 +104,11 @@ CELLS = (
     GpuCell("llama-mxfp4a16", "llama", "mxfp4-a16"),
     GpuCell("qwen3-moe-nvfp4a16", "qwen3-moe-marlin", "nvfp4-a16"),
     GpuCell("qwen3-moe-mxfp4a16", "qwen3-moe-marlin", "mxfp4-a16"),
+    # DeepSeek: MLA (latent KV cache, absorbed decode) and grouped sigmoid routing (never run on a GPU)
+    GpuCell("deepseek-v3-bf16", "deepseek-v3", None),
+    GpuCell("deepseek-v3-gptq-w4a16", "deepseek-v3", "gptq-w4a16", targets=("sm90", "sm80")),
+    GpuCell("deepseek-v3-fp8-block", "deepseek-v3", "fp8-block"),
+    GpuCell("deepseek-v2-lite-bf16", "deepseek-v2-lite", None),
 )
 
 

@@ -12,15 +12,45 @@ import torch
 ROUTER_MODULE_SUFFIXES = (".mlp.gate", ".block_sparse_moe.gate")
 
 
+# DeepSeek-V3 chooses on sigmoid scores (slope at most 1/4): a logit perturbation d moves a score
+# by at most d / 4, so a gap g between two scores takes a logit perturbation of 2g to close; a group
+# is scored by the sum of two, so a gap between groups takes g.
+SIGMOID_EXPERT_GAP_IN_LOGITS = 2.0
+SIGMOID_GROUP_GAP_IN_LOGITS = 1.0
+
+
+def _sigmoid_grouped_gaps(router: Any, logits: torch.Tensor) -> torch.Tensor:
+    """(T,) how far DeepSeek-V3's choice is from changing, in router-logit units: the smaller of
+    the gap between the last kept and the first dropped group and that between the k-th and the
+    (k+1)-th eligible expert (corrected scores)."""
+    groups, keep, k = router.num_group, router.topk_group, router.top_k
+    choice = torch.sigmoid(logits) + router.e_score_correction_bias.float()
+    grouped = choice.unflatten(-1, (groups, -1))
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, groups)
+    gaps = torch.full((logits.shape[0],), float("inf"))
+    if keep < groups:
+        top = group_scores.topk(keep + 1, dim=-1).values
+        gaps = (top[:, keep - 1] - top[:, keep]) * SIGMOID_GROUP_GAP_IN_LOGITS
+    best = group_scores.topk(keep, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+    eligible = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+    if k < keep * grouped.shape[-1]:
+        top = eligible.topk(k + 1, dim=-1).values
+        gaps = torch.minimum(gaps, (top[:, k - 1] - top[:, k]) * SIGMOID_EXPERT_GAP_IN_LOGITS)
+    return gaps
+
+
 class RoutedReference:
     """A transformers model (fp32, eval) whose MoE routers' logits are recorded on every forward."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.routers: dict[str, torch.Tensor] = {}  # MoE layer -> (T, E) router logits
+        self.router_modules: dict[str, Any] = {}
         for name, module in model.named_modules():
             if name.endswith(ROUTER_MODULE_SUFFIXES):
                 module.register_forward_hook(self._recorder(name))
+                self.router_modules[name] = module
 
     def _recorder(self, name: str) -> Callable[..., None]:
         def record(_module: Any, _inputs: Any, output: Any) -> None:
@@ -36,8 +66,13 @@ class RoutedReference:
         logits = self.model(torch.tensor([ids])).logits[0].float()
         gaps = torch.full((len(ids),), float("inf"))
         top_k = self.model.config.num_experts_per_tok if self.routers else 0
-        for router_logits in self.routers.values():
-            top = router_logits.reshape(len(ids), -1).topk(top_k + 1, dim=-1).values
+        for name, router_logits in self.routers.items():
+            router_logits = router_logits.reshape(len(ids), -1)
+            module = self.router_modules[name]
+            if hasattr(module, "e_score_correction_bias"):
+                gaps = torch.minimum(gaps, _sigmoid_grouped_gaps(module, router_logits))
+                continue
+            top = router_logits.topk(top_k + 1, dim=-1).values
             gaps = torch.minimum(gaps, top[:, top_k - 1] - top[:, top_k])
         return logits, gaps
 
@@ -69,26 +104,47 @@ def _fake_fp8_mlp(mlp: Any) -> None:
     mlp.down_proj.weight.copy_(_fake_fp8(mlp.down_proj.weight))
 
 
+def _fake_fp8_fused(linears: list[Any]) -> None:
+    """Linears the converter fuses into one layer: one scale over all of them."""
+    fq = _fake_fp8(torch.cat([lin.weight for lin in linears]))
+    for lin, part in zip(linears, fq.split([lin.weight.shape[0] for lin in linears]), strict=True):
+        lin.weight.copy_(part)
+
+
+def _fake_fp8_mla(attn: Any) -> None:
+    """MLA as online FP8 stores it: q_a_proj|kv_a_proj_with_mqa fused (with a q_lora), q_b_proj or
+    q_proj, kv_a_proj_with_mqa alone (without), kv_b_proj — one scale each."""
+    if getattr(attn, "q_a_proj", None) is not None:
+        _fake_fp8_fused([attn.q_a_proj, attn.kv_a_proj_with_mqa])
+        attn.q_b_proj.weight.copy_(_fake_fp8(attn.q_b_proj.weight))
+    else:
+        attn.q_proj.weight.copy_(_fake_fp8(attn.q_proj.weight))
+        attn.kv_a_proj_with_mqa.weight.copy_(_fake_fp8(attn.kv_a_proj_with_mqa.weight))
+    attn.kv_b_proj.weight.copy_(_fake_fp8(attn.kv_b_proj.weight))
+
+
 @torch.no_grad()
 def fake_quantize_online_fp8(model: Any) -> Any:
     """The bf16 model as the converter's per-tensor online FP8 leaves it: q|k|v and gate|up fused
-    under one scale, o / down one each, each expert's (and a shared expert's) gate|up one scale and
-    its down another; the routers, the shared expert's gate, embeddings, norms and lm_head untouched."""
+    under one scale (MLA: `_fake_fp8_mla`), o / down one each, each expert's (and a shared expert's)
+    gate|up one scale and its down another; the routers, the shared expert's gate, embeddings, norms
+    and lm_head untouched."""
     for layer in model.model.layers:
         attn = layer.self_attn
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        fq = _fake_fp8(qkv)
-        sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-        for lin, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), fq.split(sizes), strict=True):
-            lin.weight.copy_(part)
+        if hasattr(attn, "kv_b_proj"):
+            _fake_fp8_mla(attn)
+        else:
+            _fake_fp8_fused([attn.q_proj, attn.k_proj, attn.v_proj])
         attn.o_proj.weight.copy_(_fake_fp8(attn.o_proj.weight))
         block = getattr(layer, "mlp", None) or layer.block_sparse_moe
         experts = getattr(block, "experts", None)
         if experts is None:
             _fake_fp8_mlp(block)
             continue
-        if getattr(block, "shared_expert", None) is not None:  # Qwen2-MoE (its sigmoid gate stays)
-            _fake_fp8_mlp(block.shared_expert)
+        # Qwen2-MoE's shared expert (its sigmoid gate stays) or DeepSeek's shared experts
+        shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+        if shared is not None:
+            _fake_fp8_mlp(shared)
         for e in range(experts.gate_up_proj.shape[0]):
             experts.gate_up_proj[e].copy_(_fake_fp8(experts.gate_up_proj[e]))  # (2I, H)
             experts.down_proj[e].copy_(_fake_fp8(experts.down_proj[e]))  # (H, I)

@@ -28,6 +28,7 @@ import torch
 
 from runtime.kv_cache import CALIBRATION_TEXT, KVCache
 from runtime.loader import LoadedModel
+from runtime.model_layout import kv_cache_geometry
 from runtime.sampling import (
     NO_TOKEN,
     InvalidRequestError,
@@ -197,15 +198,17 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = loaded.eos_token_ids
         self.model.setup(loaded.dtype, self.max_model_len, loaded.device)
+        geometry = kv_cache_geometry(cfg, loaded.world_size)
         self.cache = KVCache(
             num_layers=cfg.num_layers,
             num_slots=max_num_seqs,
             max_len=self.max_model_len,
-            num_kv_heads=cfg.num_kv_heads // loaded.world_size,
-            head_dim=cfg.head_dim,
+            num_kv_heads=geometry.heads,
+            head_dim=geometry.width,
             dtype=loaded.dtype,
             kv_cache_dtype=loaded.kv_cache_dtype,
             device=loaded.device,
+            values=geometry.values,
         )
         self.stats = EngineStats()
         self._lock = threading.Lock()

@@ -19,6 +19,9 @@ FP8 ("fp8"): values are stored as float8_e4m3fn `x / scale` (saturated to ±448)
 with larger activations (e4m3 keeps ≈3 significant bits at every magnitude, so headroom costs
 little precision; values beyond it saturate). Storage is 1 byte per element: half of bf16, a
 quarter of fp32.
+
+Keys only (`values=False`): multi-head latent attention caches one entry per token, `[latent |
+rope key]`, as a single "head" of keys (runtime/mla.py); there are no value tensors.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class KVCache:
         dtype: torch.dtype,
         kv_cache_dtype: KvCacheDtype = "auto",
         device: str | torch.device = "cpu",
+        values: bool = True,
     ) -> None:
         if kv_cache_dtype not in ("auto", "fp8"):
             raise KvCacheError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}")
@@ -70,8 +74,9 @@ class KVCache:
         self.storage_dtype = torch.float8_e4m3fn if self.fp8 else dtype
         self.num_slots = num_slots
         self.max_len = max_len
-        shape = (2, num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        numel = 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim
+        kinds = 2 if values else 1
+        shape = (kinds, num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        numel = kinds * num_layers * num_slots * num_kv_heads * max_len * head_dim
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         self._mapping: mmap.mmap | None = None
         if torch.device(device).type == "cpu":
@@ -81,7 +86,7 @@ class KVCache:
             data = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         self.data = data
         self.k = list(data[0].unbind(0))  # per layer (slots, kv_heads, max_len, head_dim)
-        self.v = list(data[1].unbind(0))
+        self.v = list(data[1].unbind(0)) if values else []
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
         self._observe: list[list[float]] | None = None
@@ -100,38 +105,54 @@ class KVCache:
             return x
         return x.to(self.compute_dtype).mul_(scale)
 
-    def _record(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _record(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         if self._observe is not None:
             obs = self._observe[layer]
             obs[0] = max(obs[0], float(k.abs().max()))
-            obs[1] = max(obs[1], float(v.abs().max()))
+            if v is not None:
+                obs[1] = max(obs[1], float(v.abs().max()))
 
-    def write_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (kv_heads, T, head_dim) for positions [0, T) of `slot`."""
+    def write_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """k, v: (kv_heads, T, head_dim) for positions [0, T) of `slot` (no v in a keys-only cache)."""
         self._record(layer, k, v)
         t = k.shape[1]
         self.k[layer][slot, :, :t] = self._store(k, self.k_scale[layer])
-        self.v[layer][slot, :, :t] = self._store(v, self.v_scale[layer])
+        if v is not None:
+            self.v[layer][slot, :, :t] = self._store(v, self.v_scale[layer])
 
     def write_decode(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
     ) -> None:
         """k, v: (B, kv_heads, head_dim), one new position per sequence."""
         self._record(layer, k, v)
         self.k[layer][slots, :, positions] = self._store(k, self.k_scale[layer])
-        self.v[layer][slots, :, positions] = self._store(v, self.v_scale[layer])
+        if v is not None:
+            self.v[layer][slots, :, positions] = self._store(v, self.v_scale[layer])
 
     def write_decode_one(
-        self, layer: int, slot: int, position: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, slot: int, position: int, k: torch.Tensor, v: torch.Tensor | None = None
     ) -> None:
         """k, v: (kv_heads, head_dim), the new position of one sequence (batch-1 decode)."""
         self._record(layer, k, v)
         if self.fp8:
             self.k[layer][slot, :, position] = self._store(k, self.k_scale[layer])
-            self.v[layer][slot, :, position] = self._store(v, self.v_scale[layer])
+            if v is not None:
+                self.v[layer][slot, :, position] = self._store(v, self.v_scale[layer])
         else:  # copy_ rounds to the cache dtype itself
             self.k[layer][slot, :, position].copy_(k)
-            self.v[layer][slot, :, position].copy_(v)
+            if v is not None:
+                self.v[layer][slot, :, position].copy_(v)
+
+    def read_keys_as(
+        self, layer: int, slots: slice | torch.Tensor, length: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """(B, kv_heads, length, head_dim) keys in `dtype` (a keys-only cache's whole entries)."""
+        return self._load(self.k[layer][slots, :, :length], self.k_scale[layer]).to(dtype)
 
     def read(self, layer: int, slots: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, kv_heads, length, head_dim) keys and values in the compute dtype."""

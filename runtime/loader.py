@@ -34,6 +34,7 @@ from runtime.artifact.safetensors_header import (
     validate_header,
 )
 from runtime.kv_cache import KvCacheDtype
+from runtime.layers import RMSNorm
 from runtime.load_errors import ARTIFACT_FIX, LoadError
 from runtime.model import LlamaForCausalLM, residual_dtype
 from runtime.model_layout import ModelConfig
@@ -370,15 +371,16 @@ def _bind_dense(
     used: set[str],
     to_device: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
-    """Embeddings and norms under their HF names (norm weights are tiny: cast to the residual dtype),
-    and the lm_head weight when it is not a linear layer of the manifest."""
+    """Embeddings, norms and router biases under their HF names (norm weights are tiny: cast to the
+    residual dtype; the rest kept as stored), and the lm_head weight when it is not a linear layer of
+    the manifest."""
     tensors, cfg = opened.tensors, opened.config
     for hf_name, (module, attr) in model.hf_parameter_names().items():
         if hf_name not in tensors:
             raise LoadError(f"tensor {hf_name} is missing from rank {opened.rank}'s files")
         check_dense_tensor(hf_name, tensors[hf_name], tuple(getattr(module, attr).shape))
         t = to_device(tensors[hf_name])
-        if not isinstance(module, nn.Embedding) and t.dtype != norm_dtype:
+        if isinstance(module, RMSNorm) and t.dtype != norm_dtype:
             t = t.to(norm_dtype)
         _set_param(module, attr, t)
         used.add(hf_name)
@@ -394,6 +396,36 @@ def _bind_dense(
         raise LoadError("no lm_head layer or lm_head.weight, and the config does not tie embeddings")
     # Used as stored (no load-time copy): the hidden state is cast to its dtype (runtime/model.py).
     model.lm_head_weight = head
+
+
+def _bind_derived(
+    model: LlamaForCausalLM,
+    opened: OpenedArtifact,
+    used: set[str],
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """The converter's derived tensors (MLA's absorbed matrices), each checked against its place."""
+    places = model.derived_parameter_names()
+    for entry_name, entry in opened.manifest.derived.items():
+        for suffix in entry.tensors:
+            name = f"{entry_name}.{suffix}"
+            if name not in places:
+                raise LoadError(
+                    f"manifest derived tensor {name!r} has no place in {opened.config.architecture} "
+                    "(is the converter newer?)"
+                )
+            if name not in opened.tensors:
+                raise LoadError(f"tensor {name} is missing from rank {opened.rank}'s files; {ARTIFACT_FIX}")
+            module, attr = places[name]
+            check_dense_tensor(name, opened.tensors[name], tuple(getattr(module, attr).shape))
+            _set_param(module, attr, to_device(opened.tensors[name]))
+            used.add(name)
+    missing = sorted(set(places) - used)
+    if missing:
+        raise LoadError(
+            f"the manifest has no derived entry for {missing[0]} (MLA's absorbed matrices, made at "
+            "conversion): the artifact was made by an older converter — re-convert the checkpoint"
+        )
 
 
 def load_model(
@@ -429,6 +461,7 @@ def load_model(
     _bind_linears(model, opened, used, to_device)
     bind_expert_groups(model, opened.expert_groups, used, to_device)
     _bind_dense(model, opened, residual_dtype(dtype, device), used, to_device)
+    _bind_derived(model, opened, used, to_device)
     unused = sorted(set(tensors) - used)
     if unused:
         log.warning("ignoring %d tensor(s) the model does not use, e.g. %s", len(unused), unused[:3])

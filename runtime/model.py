@@ -1,6 +1,7 @@
-"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings),
-Qwen3 (per-head q/k RMSNorm), and the mixture-of-experts Qwen2-MoE (with its gated shared expert),
-Qwen3-MoE and Mixtral (`SparseMoeBlock`).
+"""The model: the Llama family (Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings),
+Qwen3 (per-head q/k RMSNorm)), the mixture-of-experts Qwen2-MoE (with its gated shared expert),
+Qwen3-MoE and Mixtral (`SparseMoeBlock`), and DeepSeek-V2/V3 (multi-head latent attention,
+runtime/mla.py; grouped routing, `route`; shared experts).
 
 Every linear layer is a `KernelLinear`: the kernel named in the manifest plus the tensors it
 prepared, resolved once at load, so the hot path is `kernel.apply(x, tensors, spec)` with no
@@ -33,107 +34,28 @@ so greedy decoding sees exact maxima.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.base import LinearKernel, LinearSpec
-from kernels.errors import UnsupportedError
 from kernels.moe_base import MoEKernel, MoESpec
 from runtime.kv_cache import KVCache
-from runtime.model_layout import ARCHITECTURES, ModelConfig, ModelConfigError, rank_shape
+from runtime.layers import ForwardContext, KernelLinear, RMSNorm
+from runtime.mla import ABSORBED_SUFFIXES, MlaAttention, absorbed_name
+from runtime.model_layout import ARCHITECTURES, ModelConfig, Routing, rank_shape
+from runtime.rope import apply_rope_full, rope_tables, rope_tables_full
 
 # Logits recomputed in fp32 after the (bf16) tied lm_head GEMM: the largest ones, which greedy
 # decoding and top logprobs read. bf16 rounding moves a logit by ≤ 2^-9 relative (≈0.06 at 30), so
 # the true maximum is always among the top few of the rounded logits.
 LM_HEAD_EXACT_TOP = 8
+ROUTING_EPS = 1e-20  # added to the sum of the chosen weights before renormalising (as DeepSeek does)
 TOP_K_BLOCK = 128  # block size of `top_k_indices`' first pass
 
 
 # ------------------------------------------------------------------------------------------------
-# Rotary embeddings (neox style: rotate the two halves of each head, HF layout)
+# Helpers
 # ------------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(cfg: ModelConfig, max_len: int) -> torch.Tensor:
-    """(head_dim // 2,) float64 inverse frequencies, rope scaling applied."""
-    dim = cfg.head_dim
-    base = cfg.rope_theta
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "dynamic":
-        # Dynamic NTK with the table built once for max_len (as vLLM does); identical to the
-        # unscaled rope while max_len stays within the original context.
-        orig = int(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
-        factor = float(scaling["factor"])
-        if max_len > orig:
-            base = base * ((factor * max_len / orig) - (factor - 1)) ** (dim / (dim - 2))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if kind in ("default", "dynamic"):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        orig = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths are divided by factor, short ones kept, the band between interpolated
-        smooth = ((orig / wavelen) - low) / (high - low)
-        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
-        medium = (wavelen <= orig / low) & (wavelen >= orig / high)
-        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise UnsupportedError(
-        f"rope_scaling type {kind!r} is not supported (supported: llama3, linear, dynamic)"
-    )
-
-
-def check_rope(cfg: ModelConfig) -> None:
-    """The rotary frequencies this config gives (up to its longest context) are computable, finite
-    and positive in fp32: UnsupportedError for a rope scaling kind this model lacks, ModelConfigError for
-    values that together give NaN, infinite or zero frequencies."""
-    try:
-        inv_freq = rope_inv_freq(cfg, cfg.max_position_embeddings).float()  # as rope_tables uses them
-    except (ZeroDivisionError, OverflowError) as e:
-        raise ModelConfigError(
-            f"rope_theta = {cfg.rope_theta} with rope scaling {cfg.rope_scaling} and head_dim = "
-            f"{cfg.head_dim}: the rotary frequencies cannot be computed ({e}); the model config is "
-            "corrupt or was altered — re-convert the checkpoint"
-        ) from e
-    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
-        raise ModelConfigError(
-            f"rope_theta = {cfg.rope_theta} with rope scaling {cfg.rope_scaling} gives non-finite or "
-            "zero rotary frequencies; the model config is corrupt or was altered — re-convert the checkpoint"
-        )
-
-
-def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_len, head_dim // 2)."""
-    inv_freq = rope_inv_freq(cfg, max_len).float()
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim // 2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rope_tables_full(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos | cos, -sin | sin): (max_len, head_dim), the tables `apply_rope_full` takes."""
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def apply_rope_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` in 3 ops: x * (cos|cos) + (x2|x1) * (-sin|sin). Tables (B, 1, T, head_dim).
-
-    (x2|x1) is x rolled by half a head: one op instead of two slices and a cat, same values."""
-    return torch.addcmul(x * cos_full, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def top_k_indices(x: torch.Tensor, k: int, block: int = TOP_K_BLOCK) -> torch.Tensor:
@@ -158,48 +80,6 @@ def residual_dtype(act_dtype: torch.dtype, device: torch.device | str) -> torch.
 # ------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------
-
-
-class KernelLinear(nn.Module):
-    """y = x @ W.T (+ bias) through the kernel the manifest names; tensors bound at load."""
-
-    def __init__(self, name: str, *, all_reduce: bool = False) -> None:
-        super().__init__()
-        self.name = name
-        self.all_reduce = all_reduce  # row-parallel layer under TP > 1
-        self.kernel: LinearKernel | None = None
-        self.spec: LinearSpec | None = None
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def bind(self, kernel: LinearKernel, spec: LinearSpec, tensors: dict[str, torch.Tensor]) -> None:
-        self.kernel, self.spec, self.tensors = kernel, spec, tensors
-        for suffix, t in tensors.items():
-            self.register_buffer(suffix, t, persistent=False)
-        # A closure with every tensor, shape and option resolved once (no lookups per call).
-        self._apply = kernel.bind_apply(tensors, spec)
-        if not self.all_reduce:  # `forward` is then the bound closure itself: one call less per use
-            self.forward = self._apply  # type: ignore[method-assign]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._apply(x)
-        if self.all_reduce:
-            torch.distributed.all_reduce(y)
-        return y
-
-    def shard_sizes(self) -> list[int]:
-        assert self.spec is not None, f"{self.name} is not bound"
-        return [s.size for s in self.spec.shards] or [self.spec.n]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-        self.eps = eps
-        self.shape = (size,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -292,9 +172,39 @@ class ExpertGroup(nn.Module):
         raise RuntimeError(f"{self.name} is not bound to an artifact")
 
 
+def route(
+    logits: torch.Tensor, routing: Routing, top_k: int, renormalize: bool, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), each (T, top_k), from fp32 router logits (T, E): scores (softmax or
+    sigmoid), the experts chosen on the scores plus the correction bias within the best groups,
+    weighted by their scores, renormalised when the model says so, times the routed scaling."""
+    scores = torch.sigmoid(logits) if routing.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    if routing.groups == 1 and bias is None:
+        weights, ids = scores.topk(top_k, dim=-1)
+    else:
+        choice = scores if bias is None else scores + bias
+        if routing.groups > 1:
+            grouped = choice.unflatten(-1, (routing.groups, -1))  # (T, groups, E // groups)
+            if routing.group_score == "top2":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.amax(-1)
+            best = group_scores.topk(routing.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTING_EPS)
+    if routing.scaling != 1.0:
+        weights = weights * routing.scaling
+    return weights, ids
+
+
 class SparseMoeBlock(nn.Module):
-    """Router -> softmax (fp32) -> top-k (renormalised when the model says so) -> the experts' MLPs,
-    weighted and summed. Under TP or EP each rank computes a partial sum: all-reduced here."""
+    """Router (fp32 scores) -> the chosen experts (`route`) -> their MLPs, weighted and summed, plus
+    the shared expert(s) when the model has them. Under TP or EP each rank computes a partial sum:
+    all-reduced here."""
 
     def __init__(self, cfg: ModelConfig, idx: int, world_size: int) -> None:
         super().__init__()
@@ -305,28 +215,35 @@ class SparseMoeBlock(nn.Module):
         self.experts = ExpertGroup(group.name)
         self.top_k = cfg.moe.top_k
         self.renormalize = cfg.moe.renormalize
+        self.routing = cfg.moe.routing
         self.all_reduce = world_size > 1
-        # Qwen2-MoE's shared expert: a dense MLP (TP-split like any, all-reduced in its down_proj)
-        # behind a sigmoid gate, added after the routed experts' all-reduce.
+        # DeepSeek-V3: added to the scores for the choice of experts only (kept as stored: fp32)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if self.routing.correction_bias:
+            bias = torch.empty(cfg.moe.num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+        # Shared expert(s): a dense MLP (TP-split like any, all-reduced in its down_proj) added after
+        # the routed experts' all-reduce; Qwen2-MoE's behind a sigmoid gate.
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: KernelLinear | None = None
         if cfg.moe.shared_expert_intermediate:
             shared = arch.experts.shared_expert(idx)
             self.shared_expert = MLP(shared, world_size)
-            self.shared_expert_gate = KernelLinear(f"{shared}_gate")
+            if arch.experts.shared_expert_gated:
+                self.shared_expert_gate = KernelLinear(f"{shared}_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.gate.forward(flat).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate.forward(flat).float()
+        weights, ids = route(logits, self.routing, self.top_k, self.renormalize, self.e_score_correction_bias)
         y = self.experts.forward(flat, ids, weights)
         if self.all_reduce:
             torch.distributed.all_reduce(y)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            scale = torch.sigmoid(self.shared_expert_gate.forward(flat).float())  # (T, 1)
-            y = y + (self.shared_expert.forward(flat).float() * scale).to(y.dtype)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.forward(flat).float()
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate.forward(flat).float())  # (T, 1)
+            y = y + shared.to(y.dtype)
         return y.view(x.shape)
 
 
@@ -335,7 +252,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{idx}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", idx, world_size)
+        attention = MlaAttention if cfg.mla is not None else Attention
+        self.self_attn: Attention | MlaAttention = attention(cfg, f"{prefix}.self_attn", idx, world_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | SparseMoeBlock = (
             SparseMoeBlock(cfg, idx, world_size)
@@ -349,24 +267,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward(F.rms_norm(x, norm.shape, norm.weight, norm.eps).to(act), ctx)
         norm = self.post_attention_layernorm
         return x.add_(self.mlp.forward(F.rms_norm(x, norm.shape, norm.weight, norm.eps).to(act)))
-
-
-@dataclass
-class ForwardContext:
-    """Per-forward state shared by every layer (built once per step, not per layer)."""
-
-    cache: KVCache
-    cos: torch.Tensor  # (B, 1, T, head_dim): cos | cos
-    sin: torch.Tensor  # (B, 1, T, head_dim): -sin | sin
-    act_dtype: torch.dtype = torch.float32
-    attn_dtype: torch.dtype = torch.float32  # decode attention (the residual dtype)
-    prefill_slot: int | None = None
-    slots: torch.Tensor | None = None  # (B,) decode: cache slot of each sequence
-    positions: torch.Tensor | None = None  # (B,) decode: position of the new token
-    read_slots: slice | torch.Tensor | None = None  # a slice when the slots are contiguous (no gather)
-    read_len: int = 0
-    mask: torch.Tensor | None = None  # (B, 1, 1, read_len) bool, None when B == 1
-    single: tuple[int, int] | None = None  # decode with B == 1: (slot, position)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -402,18 +302,23 @@ class LlamaForCausalLM(nn.Module):
         return {m.name: m for m in self.modules() if isinstance(m, ExpertGroup)}
 
     def hf_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
+        """Embeddings, every norm and DeepSeek's router correction biases, by their HF names."""
         names: dict[str, tuple[nn.Module, str]] = {"model.embed_tokens.weight": (self.embed_tokens, "weight")}
-        for i, layer in enumerate(self.layers):
-            names[f"model.layers.{i}.input_layernorm.weight"] = (layer.input_layernorm, "weight")
-            attn = layer.self_attn
-            if attn.q_norm is not None and attn.k_norm is not None:
-                names[f"model.layers.{i}.self_attn.q_norm.weight"] = (attn.q_norm, "weight")
-                names[f"model.layers.{i}.self_attn.k_norm.weight"] = (attn.k_norm, "weight")
-            names[f"model.layers.{i}.post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm,
-                "weight",
-            )
-        names["model.norm.weight"] = (self.norm, "weight")
+        for path, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                names[f"model.{path}.weight"] = (module, "weight")
+            elif isinstance(module, SparseMoeBlock) and module.e_score_correction_bias is not None:
+                names[f"model.{path}.gate.e_score_correction_bias"] = (module, "e_score_correction_bias")
+        return names
+
+    def derived_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
+        """What the converter derives and stores beside the layers (MLA's absorbed W_UK_T / W_UV),
+        by their names in the rank files."""
+        names: dict[str, tuple[nn.Module, str]] = {}
+        for path, module in self.named_modules():
+            if isinstance(module, MlaAttention):
+                for suffix in ABSORBED_SUFFIXES:
+                    names[f"{absorbed_name('model.' + path)}.{suffix}"] = (module, suffix)
         return names
 
     def setup(self, dtype: torch.dtype, max_len: int, device: torch.device | str) -> None:

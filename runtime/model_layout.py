@@ -2,7 +2,8 @@
 
 One home for these facts, read by the converter (planning, TP slicing), the loader (checking an
 artifact before serving) and the model code. The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2),
-Qwen3 (per-head q/k RMSNorm) and the mixture-of-experts Qwen3-MoE and Mixtral.
+Qwen3 (per-head q/k RMSNorm), the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral, and
+DeepSeek-V2/V3 (multi-head latent attention, `MlaConfig`; grouped routing, `Routing`; shared experts).
 
 Mixture-of-experts layers have a router (`mlp.gate` / `block_sparse_moe.gate`, a replicated linear
 layer of E outputs) and an expert group (`ExpertGroupLayout`): every expert's gate, up and down
@@ -61,12 +62,20 @@ DIMENSION_CAPS: dict[str, int] = {
     "num_experts": MAX_EXPERTS,
     "num_local_experts": MAX_EXPERTS,
     "num_experts_per_tok": MAX_EXPERTS,
+    "n_routed_experts": MAX_EXPERTS,
+    "n_shared_experts": MAX_EXPERTS,
+    "q_lora_rank": MAX_DIMENSION,
+    "kv_lora_rank": MAX_DIMENSION,
+    "qk_nope_head_dim": MAX_DIMENSION,
+    "qk_rope_head_dim": MAX_DIMENSION,
+    "v_head_dim": MAX_DIMENSION,
 }
 # Rope scaling kinds the model computes, with the keys each needs (runtime/model.py rope_inv_freq).
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "original_max_position_embeddings"),
     "linear": ("factor",),
     "dynamic": ("factor",),
+    "yarn": ("factor",),
 }
 _DIMENSIONS = {
     "hidden_size": ("hidden_size", MAX_DIMENSION),
@@ -167,9 +176,16 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype (config `torch_dtype` / `dtype`)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
+    mla: MlaConfig | None = None  # DeepSeek: multi-head latent attention instead of q/k/v heads
+    extra_layers: int = 0  # layers stored after the last decoder layer and not run (DeepSeek MTP)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.applies_to(layer)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a head: MLA rotates only its decoupled rope part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @classmethod
     def from_hf(
@@ -203,6 +219,9 @@ class ModelConfig:
         windowed = family.sliding_window or read.flag("use_sliding_window")
         window = read.integer("sliding_window", MAX_POSITIONS, lo=2, default=0) if windowed else 0
         moe = family.experts.parse(read, dims["num_layers"]) if family.experts is not None else None
+        mla = MlaConfig.parse(read, interleaved_default=family.mla_interleaved) if family.mla else None
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim
         return cls(
             architecture=arch,
             **dims,
@@ -218,6 +237,8 @@ class ModelConfig:
             torch_dtype=read.text("torch_dtype") or read.text("dtype") or "bfloat16",
             qk_norm=family.qk_norm,
             moe=moe,
+            mla=mla,
+            extra_layers=read.integer("num_nextn_predict_layers", MAX_LAYERS, lo=0, default=0),
         )
 
 
@@ -255,6 +276,66 @@ def _rope(read: ConfigValues) -> tuple[float, dict[str, Any] | None]:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: q through a low-rank bottleneck (or a plain q_proj when
+    q_lora_rank is null), keys and values from one compressed latent of kv_lora_rank plus a rope key
+    of qk_rope_head_dim shared by every head. Per head: qk_nope_head_dim + qk_rope_head_dim query/key
+    dims, v_head_dim value dims."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool  # rope pairs (x0, x1), (x2, x3), ... (GPT-J style), not the two halves
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV cache holds per token and layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def parse(cls, read: ConfigValues, *, interleaved_default: bool) -> MlaConfig:
+        q_lora = read.cfg.get("q_lora_rank")
+        rope = read.integer("qk_rope_head_dim", MAX_DIMENSION)
+        if rope % 2:
+            raise read.error("qk_rope_head_dim", rope, "must be even (rotary embeddings rotate pairs)")
+        return cls(
+            q_lora_rank=None if q_lora is None else read.integer("q_lora_rank", MAX_DIMENSION),
+            kv_lora_rank=read.integer("kv_lora_rank", MAX_DIMENSION),
+            qk_nope_head_dim=read.integer("qk_nope_head_dim", MAX_DIMENSION),
+            qk_rope_head_dim=rope,
+            v_head_dim=read.integer("v_head_dim", MAX_DIMENSION),
+            rope_interleaved=read.flag("rope_interleave", interleaved_default),
+        )
+
+    def mha_kv_bytes_per_token(self, num_layers: int, num_heads: int, itemsize: int) -> int:
+        """The same attention as plain multi-head keys and values (what an MHA cache would hold)."""
+        return num_layers * num_heads * (self.qk_head_dim + self.v_head_dim) * itemsize
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits become each token's experts and weights (softmax top-k by default).
+
+    DeepSeek: sigmoid (V3) or softmax (V2) scores; group-limited choice (experts in `groups` equal
+    groups, only the `topk_groups` best groups eligible, a group scored by its best expert or, with a
+    correction bias, by the sum of its best two); V3's `e_score_correction_bias` added for the
+    choice only; the chosen weights multiplied by `scaling`."""
+
+    scoring: str = "softmax"  # softmax | sigmoid
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"  # max | top2 (sum of the best two)
+    correction_bias: bool = False
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """The expert layers of a mixture-of-experts model, from its config.json."""
 
@@ -267,6 +348,7 @@ class MoEConfig:
     # Qwen2-MoE: a dense SwiGLU expert every token goes through, its output scaled by
     # sigmoid(shared_expert_gate(x)) (a (1, H) linear) and added to the routed experts' sum
     shared_expert_intermediate: int = 0
+    routing: Routing = Routing()
 
     def applies_to(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -288,7 +370,10 @@ class LinearLayout:
     row_parallel: bool
     layer_class: str  # vLLM class name (for compressed-tensors class targets)
     decoder_layer: int | None  # index, or None for lm_head
-    replicated: bool = False  # every rank holds the whole layer (lm_head, MoE routers)
+    replicated: bool = False  # every rank holds the whole layer (lm_head, MoE routers, MLA's latent)
+    # lm_head, MoE routers and gates: left in the checkpoint's precision by online FP8 (and by
+    # ModelOpt unless stored quantized), as vLLM leaves them
+    full_precision: bool = False
 
     @property
     def n(self) -> int:
@@ -333,11 +418,6 @@ def mlp_linears(
         ),
         LinearLayout(f"{mlp}.down_proj", (ShardLayout(f"{mlp}.down_proj", h),), i, True, CLASS_ROW, layer),
     ]
-
-
-def llama_decoder_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
-    """A Llama-family decoder layer: fused q|k|v, o, fused gate|up, down."""
-    return [*attention_linears(cfg, layer), *mlp_linears(cfg, layer)]
 
 
 @dataclass(frozen=True)
@@ -388,6 +468,11 @@ class ExpertNaming:
     renormalize_key: str | None  # None: always renormalize (Mixtral's softmax over the top k)
     renormalize_default: bool = False
     shared_expert_key: str | None = None  # config key of a shared expert's size (Qwen2-MoE)
+    shared_expert_name: str = "shared_expert"  # its module inside the block
+    shared_expert_gated: bool = True  # Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x))
+    # DeepSeek's config keys (routing, n_shared_experts, first_k_dense_replace), with the topk_method
+    # its transformers model uses when the config names none; None for other families
+    deepseek_topk_method: str | None = None
 
     def parse(self, read: ConfigValues, num_layers: int) -> MoEConfig | None:
         key = next((k for k in self.num_experts_keys if read.cfg.get(k)), None)
@@ -404,41 +489,60 @@ class ExpertNaming:
             if self.renormalize_key is None
             else read.flag(self.renormalize_key, self.renormalize_default)
         )
+        intermediate = read.integer(self.intermediate_key, MAX_DIMENSION)
+        top_k = read.integer("num_experts_per_tok", experts)
+        shared_key = self.shared_expert_key
+        shared = read.integer(shared_key, MAX_DIMENSION, lo=0, default=0) if shared_key else 0
+        routing = Routing()
+        if self.deepseek_topk_method is not None:
+            dense = list(range(read.integer("first_k_dense_replace", MAX_LAYERS, lo=0, default=0)))
+            if read.integer("moe_layer_freq", MAX_LAYERS, default=1) != 1:
+                raise read.error(
+                    "moe_layer_freq", read.cfg["moe_layer_freq"],
+                    "Kiln runs DeepSeek models with an MoE block in every layer from first_k_dense_replace "
+                    "on (moe_layer_freq 1, as transformers does)",
+                )  # fmt: skip
+            shared = intermediate * read.integer("n_shared_experts", MAX_EXPERTS, lo=0, default=0)
+            routing = deepseek_routing(read, experts, top_k, self.deepseek_topk_method)
         return MoEConfig(
             num_experts=experts,
-            top_k=read.integer("num_experts_per_tok", experts),
-            intermediate_size=read.integer(self.intermediate_key, MAX_DIMENSION),
+            top_k=top_k,
+            intermediate_size=intermediate,
             renormalize=renormalize,
             sparse_step=read.integer("decoder_sparse_step", MAX_LAYERS, default=1),
             dense_layers=frozenset(i for i in dense if 0 <= i < num_layers),
-            shared_expert_intermediate=(
-                read.integer(self.shared_expert_key, MAX_DIMENSION, lo=0, default=0)
-                if self.shared_expert_key
-                else 0
-            ),
+            shared_expert_intermediate=shared,
+            routing=routing,
         )
 
     def router(self, cfg: ModelConfig, layer: int) -> LinearLayout:
         assert cfg.moe is not None
         name = f"model.layers.{layer}.{self.block}.gate"
         shard = (ShardLayout(name, cfg.moe.num_experts),)
-        return LinearLayout(name, shard, cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True)
+        return LinearLayout(
+            name, shard, cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True, full_precision=True
+        )
 
     def shared_expert(self, layer: int) -> str:
-        """The shared expert's module (its gate is this name + "_gate")."""
-        return f"model.layers.{layer}.{self.block}.shared_expert"
+        """The shared expert's module (a gated one's gate is this name + "_gate")."""
+        return f"model.layers.{layer}.{self.block}.{self.shared_expert_name}"
 
     def shared_expert_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
-        """The shared expert's gate (1, H), replicated like the router, and its SwiGLU MLP."""
+        """The shared expert's SwiGLU MLP, after its gate (1, H) when it has one (replicated like the
+        router)."""
         assert cfg.moe is not None
         if not cfg.moe.shared_expert_intermediate:
             return []
         mlp = self.shared_expert(layer)
+        linears = mlp_linears(cfg, layer, mlp, cfg.moe.shared_expert_intermediate)
+        if not self.shared_expert_gated:
+            return linears
         name = f"{mlp}_gate"
         gate = LinearLayout(
-            name, (ShardLayout(name, 1),), cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True
-        )
-        return [gate, *mlp_linears(cfg, layer, mlp, cfg.moe.shared_expert_intermediate)]
+            name, (ShardLayout(name, 1),), cfg.hidden_size, False, CLASS_REPLICATED, layer,
+            replicated=True, full_precision=True,
+        )  # fmt: skip
+        return [gate, *linears]
 
     def group(self, cfg: ModelConfig, layer: int) -> ExpertGroupLayout:
         assert cfg.moe is not None
@@ -456,6 +560,72 @@ class ExpertNaming:
         )
 
 
+def deepseek_routing(read: ConfigValues, experts: int, top_k: int, default_method: str) -> Routing:
+    """DeepSeek's `scoring_func`, `topk_method` (noaux_tc: V3's corrected group-limited choice;
+    group_limited_greedy: V2's; greedy: plain top-k), `n_group` / `topk_group` and
+    `routed_scaling_factor`."""
+    method = read.text("topk_method") or default_method
+    scoring = read.text("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise read.error("scoring_func", scoring, "must be softmax or sigmoid")
+    if method not in ("noaux_tc", "group_limited_greedy", "greedy"):
+        raise read.error("topk_method", method, "must be noaux_tc, group_limited_greedy or greedy")
+    scaling = read.real("routed_scaling_factor", 1.0, hi=MAX_ROPE_FACTOR)
+    if method == "greedy":
+        return Routing(scoring=scoring, scaling=scaling)
+    groups = read.integer("n_group", experts, default=1)
+    if experts % groups:
+        raise read.error("n_group", groups, f"must divide the {experts} routed experts")
+    topk_groups = read.integer("topk_group", groups, default=1)
+    noaux = method == "noaux_tc"
+    if noaux and experts // groups < 2 <= groups:
+        raise read.error("n_group", groups, "leaves fewer than 2 experts per group (scored by its best two)")
+    if topk_groups * (experts // groups) < top_k:
+        raise read.error("topk_group", topk_groups, f"keeps fewer than num_experts_per_tok = {top_k} experts")
+    return Routing(
+        scoring=scoring,
+        groups=groups,
+        topk_groups=topk_groups,
+        group_score="top2" if noaux else "max",
+        correction_bias=noaux,
+        scaling=scaling,
+    )
+
+
+def mla_attention_linears(cfg: ModelConfig, layer: int) -> list[LinearLayout]:
+    """Multi-head latent attention, in vLLM's names: q_a_proj and kv_a_proj_with_mqa fused as
+    `fused_qkv_a_proj` (both read the hidden state; replicated on every rank, as vLLM does), then
+    q_b_proj (or a plain q_proj when q_lora_rank is null, column-parallel by heads with
+    kv_a_proj_with_mqa replicated beside it), kv_b_proj (column-parallel by heads: each head's
+    qk_nope rows then its v rows) and o_proj (row-parallel)."""
+    mla = cfg.mla
+    assert mla is not None
+    h, heads = cfg.hidden_size, cfg.num_heads
+    attn = f"model.layers.{layer}.self_attn"
+
+    def replicated(name: str, shards: tuple[ShardLayout, ...], k: int) -> LinearLayout:
+        return LinearLayout(name, shards, k, False, CLASS_REPLICATED, layer, replicated=True)
+
+    def by_heads(name: str, per_head: int, k: int) -> LinearLayout:
+        return LinearLayout(name, (ShardLayout(name, heads * per_head, heads),), k, False, CLASS_QKV, layer)
+
+    kv_a = ShardLayout(f"{attn}.kv_a_proj_with_mqa", mla.latent_dim)
+    if mla.q_lora_rank is None:
+        q = [by_heads(f"{attn}.q_proj", mla.qk_head_dim, h), replicated(kv_a.module, (kv_a,), h)]
+    else:
+        q_a = ShardLayout(f"{attn}.q_a_proj", mla.q_lora_rank)
+        q = [
+            replicated(f"{attn}.fused_qkv_a_proj", (q_a, kv_a), h),
+            by_heads(f"{attn}.q_b_proj", mla.qk_head_dim, mla.q_lora_rank),
+        ]
+    o = ShardLayout(f"{attn}.o_proj", h)
+    return [
+        *q,
+        by_heads(f"{attn}.kv_b_proj", mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank),
+        LinearLayout(o.module, (o,), heads * mla.v_head_dim, True, CLASS_ROW, layer),
+    ]
+
+
 @dataclass(frozen=True)
 class Architecture:
     """What differs between the supported architectures: a new one is an entry in ARCHITECTURES."""
@@ -465,16 +635,21 @@ class Architecture:
     sliding_window: bool = False  # the config's sliding_window always applies
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     experts: ExpertNaming | None = None  # mixture-of-experts layers
+    mla: bool = False  # multi-head latent attention (DeepSeek)
+    mla_interleaved: bool = True  # MLA's rope pairs are interleaved unless `rope_interleave` says not
+
+    def attention_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
+        return mla_attention_linears(cfg, layer) if self.mla else attention_linears(cfg, layer)
 
     def decoder_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
         """The linear layers of one decoder layer, in execution order (an MoE layer: its router)."""
         if self.experts is not None and cfg.is_moe_layer(layer):
             return [
-                *attention_linears(cfg, layer),
+                *self.attention_linears(cfg, layer),
                 self.experts.router(cfg, layer),
                 *self.experts.shared_expert_linears(cfg, layer),
             ]
-        return llama_decoder_linears(cfg, layer)
+        return [*self.attention_linears(cfg, layer), *mlp_linears(cfg, layer)]
 
     def expert_group(self, cfg: ModelConfig, layer: int) -> ExpertGroupLayout | None:
         if self.experts is None or not cfg.is_moe_layer(layer):
@@ -497,6 +672,17 @@ MIXTRAL_MOE = ExpertNaming(
     intermediate_key="intermediate_size",
     renormalize_key=None,
 )
+DEEPSEEK_V3_MOE = ExpertNaming(
+    block="mlp",
+    parts=(("gate_proj", "up_proj", "down_proj"),),
+    num_experts_keys=("n_routed_experts",),
+    intermediate_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    shared_expert_name="shared_experts",
+    shared_expert_gated=False,
+    deepseek_topk_method="noaux_tc",
+)
+DEEPSEEK_V2_MOE = dataclasses.replace(DEEPSEEK_V3_MOE, deepseek_topk_method="greedy")
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
@@ -507,6 +693,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2MoeForCausalLM", qkv_bias=True, experts=QWEN2_MOE),
         Architecture("Qwen3MoeForCausalLM", qk_norm=True, experts=QWEN_MOE),
         Architecture("MixtralForCausalLM", sliding_window=True, experts=MIXTRAL_MOE),
+        Architecture("DeepseekV2ForCausalLM", experts=DEEPSEEK_V2_MOE, mla=True),
+        Architecture("DeepseekV3ForCausalLM", experts=DEEPSEEK_V3_MOE, mla=True),
     )
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
@@ -518,9 +706,8 @@ def linear_layouts(cfg: ModelConfig, has_lm_head: bool) -> list[LinearLayout]:
     out = [lin for layer in range(cfg.num_layers) for lin in arch.decoder_linears(cfg, layer)]
     if has_lm_head:
         lm_head = ShardLayout("lm_head", cfg.vocab_size)
-        out.append(
-            LinearLayout("lm_head", (lm_head,), cfg.hidden_size, False, CLASS_LM_HEAD, None, replicated=True)
-        )
+        head = LinearLayout("lm_head", (lm_head,), cfg.hidden_size, False, CLASS_LM_HEAD, None)
+        out.append(dataclasses.replace(head, replicated=True, full_precision=True))
     return out
 
 
@@ -529,6 +716,27 @@ def expert_groups(cfg: ModelConfig) -> list[ExpertGroupLayout]:
     arch = ARCHITECTURES[cfg.architecture]
     groups = (arch.expert_group(cfg, layer) for layer in range(cfg.num_layers))
     return [g for g in groups if g is not None]
+
+
+@dataclass(frozen=True)
+class KvCacheGeometry:
+    """What one rank's KV cache holds per token and layer: `heads` entries of `width` keys (and as
+    many values, unless `values` is False: MLA caches its latent and rope key as one key entry)."""
+
+    heads: int
+    width: int
+    values: bool = True
+
+    def bytes_per_token(self, num_layers: int, itemsize: int) -> int:
+        return num_layers * self.heads * self.width * (2 if self.values else 1) * itemsize
+
+
+def kv_cache_geometry(cfg: ModelConfig, world_size: int = 1) -> KvCacheGeometry:
+    """KV heads are split over the ranks (each KV head whole on a rank; replicated when fewer than
+    ranks); MLA's latent is replicated: every rank caches all of it."""
+    if cfg.mla is not None:
+        return KvCacheGeometry(1, cfg.mla.latent_dim, values=False)
+    return KvCacheGeometry(max(1, cfg.num_kv_heads // world_size), cfg.head_dim)
 
 
 @dataclass(frozen=True)
@@ -542,7 +750,7 @@ def shard_rows(shard: ShardLayout, layout: LinearLayout, cfg: ModelConfig, rank:
     if tp == 1 or layout.replicated or layout.row_parallel:
         return RowRange(0, shard.size)
     if shard.heads:
-        head = cfg.head_dim
+        head = shard.size // shard.heads
         heads = shard.heads
         if heads >= tp or not shard.replicable:
             if heads % tp:

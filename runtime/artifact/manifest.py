@@ -35,8 +35,9 @@ SCHEMA_VERSION = 1
 # Bump when the converter writes different bytes for the same inputs (2: config.json carries Kiln's
 # quantization config, runtime/artifact/hf_config.py), so such artifacts get new ids.
 ARTIFACT_REVISION = 2
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 MOE_SCHEMA_VERSION = 2  # manifests with expert groups (schema 1 readers could not run them)
+DERIVED_SCHEMA_VERSION = 3  # manifests with derived tensors (MLA's absorbed matrices)
 MANIFEST_NAME = "manifest.json"
 # A manifest is read whole and parsed before anything else: larger ones are refused unread. Real ones
 # are KBs to a few MB (a 94-layer, 128-expert MoE lists its ≈150k source tensor names in ≈10 MB).
@@ -186,6 +187,18 @@ class ExpertGroupEntry(_Model):
         return MoESpec.from_json(self.spec)
 
 
+class DerivedEntry(_Model):
+    """Tensors the converter derives from the checkpoint so that no load computes them (MLA's
+    absorbed W_UK_T / W_UV from kv_b_proj), per rank. `kernel` names the derivation and
+    `layout_version` its version (both in the artifact id, like a kernel's)."""
+
+    kernel: str
+    layout_version: Count
+    tensors: list[str]  # suffixes present in every rank file, relative to the entry's name
+    source_tensors: list[str] = Field(default_factory=list)
+    verification: LayerVerification | None = None
+
+
 class FileEntry(_Model):
     name: str  # a plain file name inside the artifact directory (FILE_NAME_PATTERN)
     size: Count
@@ -231,6 +244,7 @@ class Manifest(_Model):
     # Written only when used (schema 2): expert groups of MoE layers, and whole experts per rank.
     expert_groups: dict[str, ExpertGroupEntry] = Field(default_factory=dict)
     expert_parallel: bool = False
+    derived: dict[str, DerivedEntry] = Field(default_factory=dict)  # schema 3, written only when used
     files: list[FileEntry]
     verification: Verification
 
@@ -253,6 +267,8 @@ class Manifest(_Model):
             raise ValueError(f"file {bad[0]} belongs to rank >= tp={self.tp}")
         if (self.expert_groups or self.expert_parallel) and self.schema_version < MOE_SCHEMA_VERSION:
             raise ValueError(f"expert groups need schema_version {MOE_SCHEMA_VERSION}")
+        if self.derived and self.schema_version < DERIVED_SCHEMA_VERSION:
+            raise ValueError(f"derived tensors need schema_version {DERIVED_SCHEMA_VERSION}")
         return self
 
     def rank_files(self, rank: int) -> list[FileEntry]:
@@ -266,6 +282,8 @@ class Manifest(_Model):
         unused = {"expert_groups"} if not self.expert_groups else set()
         if not self.expert_parallel:
             unused.add("expert_parallel")
+        if not self.derived:
+            unused.add("derived")
         return (self.model_dump_json(indent=2, exclude=unused) + "\n").encode()
 
     @classmethod
@@ -407,9 +425,10 @@ def check_derived_id(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
             f"{where}: source.digest {manifest.source.digest} is not the digest of source.files; the "
             "manifest was altered — pull the artifact again or re-convert it"
         )
-    entries: list[LayerEntry | ExpertGroupEntry] = [
+    entries: list[LayerEntry | ExpertGroupEntry | DerivedEntry] = [
         *manifest.layers.values(),
         *manifest.expert_groups.values(),
+        *manifest.derived.values(),
     ]
     layouts: dict[str, int] = {}
     for entry in entries:

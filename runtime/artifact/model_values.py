@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 
 from runtime.artifact.manifest import MANIFEST_NAME, Manifest
-from runtime.model import check_rope
 from runtime.model_layout import ModelConfig, ModelConfigError
+from runtime.rope import check_rope
 
 HF_CONFIG = f"{MANIFEST_NAME} hf_config"
 _DECODER_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")

@@ -150,11 +150,20 @@ class _Binder:
             self.used.add(qualified)
 
     def retie(self, model: nn.Module) -> None:
-        """Tied parameters (lm_head = embed_tokens) follow the parameter that replaced theirs."""
+        """Tied parameters (lm_head = embed_tokens) follow the parameter that replaced theirs, and so
+        do references held by plain helper objects of a module (vLLM's MoE router keeps DeepSeek's
+        `e_score_correction_bias` as an attribute of a non-Module router object)."""
+        replaced = self.binding.replaced
         for module in model.modules():
             for attr, param in list(module._parameters.items()):
-                if param is not None and id(param) in self.binding.replaced:
-                    module._parameters[attr] = self.binding.replaced[id(param)][1]
+                if param is not None and id(param) in replaced:
+                    module._parameters[attr] = replaced[id(param)][1]
+            for holder in list(vars(module).values()):
+                if isinstance(holder, nn.Module | torch.Tensor) or not hasattr(holder, "__dict__"):
+                    continue
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and id(value) in replaced:
+                        setattr(holder, name, replaced[id(value)][1])
 
 
 def bind_model(model: nn.Module, artifact: VllmArtifact, config: KilnQuantConfig) -> Binding:

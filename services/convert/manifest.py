@@ -5,8 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from runtime.artifact.manifest import (
+    DERIVED_SCHEMA_VERSION,
     MOE_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    DerivedEntry,
     ExpertGroupEntry,
     FileEntry,
     LayerEntry,
@@ -32,11 +34,13 @@ def build_manifest(
     """`entries`: each manifest section's unit entries by unit name (`PlanUnit.section`)."""
     layers: dict[str, LayerEntry] = entries.get("layers", {})  # type: ignore[assignment]
     groups: dict[str, ExpertGroupEntry] = entries.get("expert_groups", {})  # type: ignore[assignment]
+    derived: dict[str, DerivedEntry] = entries.get("derived", {})  # type: ignore[assignment]
+    schema = DERIVED_SCHEMA_VERSION if derived else MOE_SCHEMA_VERSION if groups else SCHEMA_VERSION
     checks = [
         e.verification for section in entries.values() for e in section.values() if e.verification is not None
     ]
     return Manifest(
-        schema_version=MOE_SCHEMA_VERSION if groups else SCHEMA_VERSION,
+        schema_version=schema,
         artifact_id=aid,
         kiln_version=kiln_version(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -58,6 +62,7 @@ def build_manifest(
         other_tensors=plan.other_tensors,
         expert_groups=groups,
         expert_parallel=plan.expert_parallel,
+        derived=derived,
         files=files,
         verification=Verification(
             ok=all(c.ok for c in checks),

@@ -24,6 +24,7 @@ from services.convert.safetensors_io import DTYPES
 from services.convert.spec import FP8_SCHEMES, METHODS
 from services.convert.units import UNIT_KINDS, PlanUnit
 from services.convert.units.base import HEADER_ENTRY_BYTES, PlanContext, PlanRow
+from services.convert.units.mla import mla_cache_note
 
 _FLOAT_ACT = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
 # Tensor suffixes that only quantized layers have: left over after planning they mean a layer Kiln
@@ -149,8 +150,16 @@ def build_plan(
     check_pattern_work(fmt.name, fmt.pattern_count, sum(kind.module_count(ctx) for kind in UNIT_KINDS))
     units = [unit for kind in UNIT_KINDS for unit in kind.plan(ctx)]
     consumed = {name for unit in units for name in unit.source_tensors}
-    others, dropped = _other_tensors(ckpt, model, consumed)
+    others, dropped, skipped = _other_tensors(ckpt, model, consumed)
     notes = list(fmt.notes)
+    if skipped:
+        notes.append(
+            f"{len(skipped)} tensors of the {model.extra_layers} multi-token prediction layer(s) after the "
+            f"last decoder layer (e.g. {skipped[0]}) are skipped, as vLLM skips them: they only serve "
+            "speculative decoding"
+        )
+    if model.mla is not None:
+        notes.append(mla_cache_note(model.mla, model.num_layers, model.num_heads, act_dtype))
     if dropped:
         notes.append(
             f"{len(dropped)} static activation / KV-cache scale tensors (e.g. {dropped[0]}) are not used: "
@@ -180,13 +189,17 @@ def _check_options(ckpt: Checkpoint, fmt: CheckpointFormat, tp: int, method: str
     fmt.check_method(method)
 
 
-def _other_tensors(ckpt: Checkpoint, model: ModelConfig, consumed: set[str]) -> tuple[list[str], list[str]]:
-    """The tensors no unit reads: (copied as they are, dropped static scales); a leftover that only a
-    quantized layer or an expert would have is refused."""
+def _other_tensors(
+    ckpt: Checkpoint, model: ModelConfig, consumed: set[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """The tensors no unit reads: (copied as they are, dropped static scales, skipped extra layers);
+    a leftover that only a quantized layer or an expert would have is refused."""
     others: list[str] = []
     dropped: list[str] = []
+    extra = tuple(f"model.layers.{model.num_layers + i}." for i in range(model.extra_layers))
+    skipped = [name for name in sorted(ckpt.tensors) if name.startswith(extra)] if extra else []
     for name, info in sorted(ckpt.tensors.items()):
-        if name in consumed or name.endswith(IGNORED_TENSOR_SUFFIXES):
+        if name in consumed or name.endswith(IGNORED_TENSOR_SUFFIXES) or (extra and name.startswith(extra)):
             continue
         suffix = name.rsplit(".", 1)[-1]
         if suffix in DROPPED_SCALE_SUFFIXES:
@@ -204,7 +217,7 @@ def _other_tensors(ckpt: Checkpoint, model: ModelConfig, consumed: set[str]) -> 
                 "q/k/v/o/gate/up/down projections and lm_head are converted)"
             )
         others.append(name)
-    return others, dropped
+    return others, dropped, skipped
 
 
 __all__ = ["DENSE", "Plan", "PlanRow", "build_plan"]

@@ -583,7 +583,7 @@ def test_llama3_rope_from_rope_freqs(scaling: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    from runtime.model import rope_inv_freq
+    from runtime.rope import rope_inv_freq
 
     base = ModelConfig.from_hf(
         {

@@ -52,9 +52,9 @@ CASES: dict[str, tuple[Edit, type[KilnError], str]] = {
         r"original_max_position_embeddings = 0",
     ),
     "rope kind unknown": (
-        _rope("rope_type", "yarn"),
+        _rope("rope_type", "longrope"),
         KilnError,
-        r"rope_scaling type 'yarn' is not supported",
+        r"rope_scaling type 'longrope' is not supported",
     ),
     "heads not dividing hidden": (
         _config("num_attention_heads", 3),

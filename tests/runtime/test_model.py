@@ -14,8 +14,9 @@ from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from runtime.engine import Engine
 from runtime.kv_cache import KVCache
 from runtime.loader import LoadedModel, load_model
-from runtime.model import rope_inv_freq, top_k_indices
+from runtime.model import top_k_indices
 from runtime.model_layout import ModelConfig
+from runtime.rope import rope_inv_freq
 from runtime.sampling import SamplingParams
 
 # fp32 on both sides; the only differences are summation orders (fused qkv / gate_up, SDPA).

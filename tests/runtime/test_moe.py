@@ -1,4 +1,5 @@
-"""Serving Qwen3, Qwen3-MoE and Mixtral artifacts on CPU against transformers on the same checkpoint.
+"""Serving Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V2/V3 artifacts on CPU against transformers
+on the same checkpoint.
 
 Every cell converts a real checkpoint (devtools/builders/moe.py: transformers-built, quantized
 by llm-compressor) for the cpu target and compares the runtime's logits with transformers' fp32 model
@@ -50,6 +51,12 @@ LOGITS_DECIDED_MAX_ABS_TOL = 0.06  # positions where every MoE layer's routing i
 LOGITS_MAX_ABS_TOL = 1.0  # any position
 LOGITS_MEAN_ABS_TOL = 0.03  # over positions and vocabulary
 MIN_DECIDED_FRACTION = 0.75  # of all positions, else the tight bound would check too little
+# DeepSeek-V3 routes twice per layer (the best groups by their top-2 corrected sigmoid scores, then the
+# experts within them), each a chance of a near-tie, and an expert flipped at one position reaches
+# every later one through the next layer's attention, scaled by routed_scaling_factor (2.5): on
+# these random models only 4-7 of the long prompt's 60 positions are decided at and before
+# themselves. The per-position check below cannot judge them; the DeepSeek cells are judged by their
+# prompt log-probabilities against a wrong-routing control and by a greedy continuation instead.
 LOGPROB_DECIDED_ATOL = 0.08  # /v1/completions echo log-probabilities, decided positions
 # FP8 KV cache (e4m3, per-layer scales) on top of the weights, decode steps: measured max |Δ| 0.21.
 KV_FP8_DECIDED_LOGPROB_ATOL = 0.35
@@ -84,11 +91,20 @@ CELLS: dict[str, tuple[str, str, str | None]] = {
     "qwen2-moe-bf16-online-fp8": ("qwen2_moe_bf16", "fp8", "cpu_fp8_experts"),
     "qwen2-moe-gptq-w4a16": ("qwen2_moe_gptq", "auto", "cpu_int4_experts"),
     "qwen2-moe-fp8-dynamic": ("qwen2_moe_fp8_dynamic", "auto", "cpu_fp8_experts"),
+    "deepseek-v3-bf16": ("deepseek_v3_bf16", "auto", "dense_experts"),
+    "deepseek-v3-no-qlora-bf16": ("deepseek_v3_no_qlora_bf16", "auto", "dense_experts"),
+    "deepseek-v2-lite-bf16": ("deepseek_v2_lite_bf16", "auto", "dense_experts"),
+    "deepseek-v3-bf16-online-fp8": ("deepseek_v3_bf16", "fp8", "cpu_fp8_experts"),
+    "deepseek-v3-gptq-w4a16": ("deepseek_v3_gptq", "auto", "cpu_int4_experts"),
+    "deepseek-v3-fp8-dynamic": ("deepseek_v3_fp8_dynamic", "auto", "cpu_fp8_experts"),
+    "deepseek-v3-fp8-block": ("deepseek_v3_fp8_block", "auto", "cpu_fp8_experts"),
 }
 FP4_CELLS = [name for name in CELLS if "fp4" in name]
 # Architectures added after the first MoE ones: checked like the FP4 cells (against a wrong-routing
 # control) and on a greedy continuation.
 QWEN2_MOE_CELLS = [name for name in CELLS if name.startswith("qwen2-moe")]
+DEEPSEEK_CELLS = [name for name in CELLS if name.startswith("deepseek")]
+NEW_ARCHITECTURE_CELLS = QWEN2_MOE_CELLS + DEEPSEEK_CELLS
 # Served over HTTP and decoded with an FP8 KV cache: each architecture and kind of source once.
 SERVED_CELLS = [
     "qwen3-dense-bf16",
@@ -97,6 +113,7 @@ SERVED_CELLS = [
     "qwen3-moe-bf16-online-fp8",
     "qwen3-moe-nvfp4a16",
     "qwen2-moe-gptq-w4a16",
+    "deepseek-v2-lite-bf16",  # softmax routing: its positions are decided, unlike V3's (above)
 ]
 
 
@@ -158,11 +175,12 @@ def served_cell(request: pytest.FixtureRequest, cells: Callable[[str], Cell]) ->
 def _check_logits(got: torch.Tensor, want: torch.Tensor, decided: torch.Tensor, decided_tol: float) -> str:
     diff = (got - want).abs()  # (T, V)
     per_position = diff.max(-1).values
+    worst_decided = per_position[decided].max().item() if bool(decided.any()) else 0.0
     report = (
-        f"max |Δ| decided {per_position[decided].max().item():.4f}, any {per_position.max().item():.4f}, "
+        f"max |Δ| decided {worst_decided:.4f}, any {per_position.max().item():.4f}, "
         f"mean {diff.mean().item():.4f}, decided {int(decided.sum())}/{len(decided)}"
     )
-    assert per_position[decided].max().item() <= decided_tol, report
+    assert worst_decided <= decided_tol, report
     assert per_position.max().item() <= LOGITS_MAX_ABS_TOL, report
     assert diff.mean().item() <= LOGITS_MEAN_ABS_TOL, report
     return report
@@ -181,8 +199,10 @@ def test_the_cell_converts_with_the_expected_expert_kernel(cell: Cell) -> None:
     assert all(e.verification is not None and e.verification.ok for e in manifest.expert_groups.values())
 
 
+@pytest.mark.parametrize("name", [name for name in CELLS if name not in DEEPSEEK_CELLS])
 @torch.inference_mode()
-def test_logits_match_transformers(cell: Cell) -> None:
+def test_logits_match_transformers(name: str, cells: Callable[[str], Cell]) -> None:
+    cell = cells(name)
     logits_fn = runtime_logits_fn(cell.loaded)
     decided_all = []
     for ids in PROMPTS:
@@ -226,7 +246,7 @@ def _wrong_routing(reference: Any) -> Any:
     return control
 
 
-@pytest.mark.parametrize("name", FP4_CELLS + QWEN2_MOE_CELLS)
+@pytest.mark.parametrize("name", FP4_CELLS + NEW_ARCHITECTURE_CELLS)
 @torch.inference_mode()
 def test_prompt_logprobs_match_transformers_and_beat_wrong_routing(
     name: str, cells: Callable[[str], Cell]
@@ -254,9 +274,10 @@ def test_prompt_logprobs_match_transformers_and_beat_wrong_routing(
 
 
 def _clear_margin_prompt(cell: Cell) -> tuple[list[int], list[int]]:
-    """The first candidate prompt whose greedy continuation under transformers keeps its top-2 logit
-    margin at GREEDY_MIN_TOP2_MARGIN or more at every step: (prompt, continuation)."""
-    best = 0.0
+    """Of the candidate prompts whose greedy continuation under transformers keeps its top-2 logit
+    margin at GREEDY_MIN_TOP2_MARGIN or more at every step, the one whose routing is farthest from a
+    near-tie along the continuation: (prompt, continuation)."""
+    best_margin, chosen, chosen_gap = 0.0, None, -1.0
     for prompt in [*PROMPTS, *(list(range(b, b + 12)) for b in range(0, 250, 10))]:
         out = cell.reference.model.generate(
             torch.tensor([prompt]), max_new_tokens=GREEDY_CONTINUATION, min_new_tokens=GREEDY_CONTINUATION,
@@ -264,13 +285,19 @@ def _clear_margin_prompt(cell: Cell) -> tuple[list[int], list[int]]:
         )  # fmt: skip
         top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values  # (steps, 2)
         margin = (top2[:, 0] - top2[:, 1]).min().item()
-        if margin >= GREEDY_MIN_TOP2_MARGIN:
-            return prompt, out.sequences[0, len(prompt) :].tolist()
-        best = max(best, margin)
-    raise AssertionError(f"no prompt with a clear greedy path (best margin {best:.3f})")
+        best_margin = max(best_margin, margin)
+        if margin < GREEDY_MIN_TOP2_MARGIN:
+            continue
+        continuation = out.sequences[0, len(prompt) :].tolist()
+        _, gaps = cell.reference.logits_and_gaps(prompt + continuation[:-1])
+        gap = gaps[len(prompt) - 1 :].min().item()
+        if gap > chosen_gap:
+            chosen, chosen_gap = (prompt, continuation), gap
+    assert chosen is not None, f"no prompt with a clear greedy path (best margin {best_margin:.3f})"
+    return chosen
 
 
-@pytest.mark.parametrize("name", QWEN2_MOE_CELLS)
+@pytest.mark.parametrize("name", NEW_ARCHITECTURE_CELLS)
 @torch.inference_mode()
 def test_greedy_continuation_equals_transformers(name: str, cells: Callable[[str], Cell]) -> None:
     cell = cells(name)
@@ -302,8 +329,10 @@ def test_decode_with_an_fp8_kv_cache_follows_transformers(served_cell: Cell) -> 
         decided_rows.append(decided[rows])
         want = torch.log_softmax(logits, -1)[rows, torch.tensor(tokens)]  # (GREEDY_TOKENS,)
         diff = (torch.tensor([lp for _, lp in generated[i]]) - want).abs()
-        print(f"\n{cell.name} fp8 KV decode: max |Δ logprob| {diff[decided[rows]].max().item():.4f}")
-        assert diff[decided[rows]].max().item() <= KV_FP8_DECIDED_LOGPROB_ATOL, diff
+        decided_diff = diff[decided[rows]]
+        worst = decided_diff.max().item() if len(decided_diff) else 0.0
+        print(f"\n{cell.name} fp8 KV decode: max |Δ logprob| {worst:.4f} at {len(decided_diff)} decided")
+        assert worst <= KV_FP8_DECIDED_LOGPROB_ATOL, diff
         assert diff.max().item() <= 2 * LOGITS_MAX_ABS_TOL, diff
     fraction = torch.cat(decided_rows).float().mean().item()
     assert fraction >= KV_FP8_MIN_DECIDED_FRACTION, f"only {fraction:.0%} of decode positions decided"
@@ -340,7 +369,9 @@ def test_completions_echo_logprobs_match_transformers(served_cell: Cell) -> None
 # --- tensor and expert parallel ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16", "qwen2_moe_fp8_dynamic"])
+@pytest.mark.parametrize(
+    "fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16", "qwen2_moe_fp8_dynamic", "deepseek_v3_bf16"]
+)
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_ranks_give_the_same_greedy_tokens_as_one(
     fixture: str, expert_parallel: bool, tmp_path: Path, request: pytest.FixtureRequest

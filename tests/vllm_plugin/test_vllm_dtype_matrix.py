@@ -218,6 +218,20 @@ def qwen2_moe_paths(scheme: str) -> tuple[Path, Path]:
     return source, smollm2.build_artifact(source, "cpu")
 
 
+# DeepSeek-V3 (MLA, grouped sigmoid routing with the correction bias, a shared expert): vLLM's CPU MLA
+# kernels take only DeepSeek's own latent width (512 + 64), hence the "deepseek-v3-vllm" source.
+# vLLM's MLA layer still derives its absorbed matrices from kv_b_proj at load (its AMX path then
+# drops kv_b_proj's weight): the artifact's derived W_UK_T / W_UV are Kiln's runtime's.
+DEEPSEEK_SCHEMES = ("bf16",)
+
+
+def deepseek_paths(scheme: str) -> tuple[Path, Path]:
+    from devtools.builders import moe, smollm2
+
+    source = moe.build_source("deepseek-v3-vllm")
+    return source, smollm2.build_artifact(source, "cpu")
+
+
 def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
     """The head-dtype override, an artifact for another target (refused before any read), the FP4
     artifacts with their originals and the Qwen2-MoE ones."""
@@ -226,6 +240,7 @@ def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
     return [
         *bf16_jobs("fp4", {s: fp4_paths(s) for s in FP4_SCHEMES}, set(FP4_SCHEMES)),
         *bf16_jobs("qwen2-moe", {s: qwen2_moe_paths(s) for s in QWEN2_MOE_SCHEMES}, {"bf16"}),
+        *bf16_jobs("deepseek", {s: deepseek_paths(s) for s in DEEPSEEK_SCHEMES}, {"bf16"}),
         {
             "id": "head-fp32", "model": str(artifact("gptq", "float32")), "dtype": "bfloat16",
             "hf_overrides": {"head_dtype": "float32"}, "prompt_token_ids": PROMPT_IDS,
@@ -374,6 +389,34 @@ def test_vllm_serves_a_qwen2_moe_artifact_with_its_shared_expert(scheme: str, ma
         vs_original = _mean(art["prompt_logprobs"], original["prompt_logprobs"])
         print(f"qwen2-moe {scheme}: vLLM plugin vs vLLM on the original mean {vs_original:.4f}")
         assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
+
+
+@pytest.mark.parametrize("scheme", DEEPSEEK_SCHEMES)
+def test_vllm_serves_a_deepseek_v3_artifact(scheme: str, matrix: MatrixRun) -> None:
+    """MLA over the plugin's linear layers and Kiln's experts behind vLLM's grouped router (its
+    correction bias bound to the artifact's), against kiln serve and vLLM on the original."""
+    art = matrix.vllm[f"deepseek-art:{scheme}"]
+    assert art["ok"], art["error"]
+    assert len(art["output_token_ids"]) == MAX_TOKENS
+    report = art["report"]
+    assert report["views"] + len(report["copied"]) == report["parameters"], report["not_views"][:5]
+    assert all(name.endswith(".self_attn.kv_b_proj.weight") for name in report["changed_after_binding"])
+    for copied in report["copied"]:
+        assert (
+            "norm.weight (cast to " in copied
+            or "e_score_correction_bias (cast to float32)" in copied
+            or (
+                copied.startswith(("model.embed_tokens.weight", "lm_head.weight"))
+                and "(padded from" in copied
+            )
+        ), copied
+    vs_kiln = _mean(art["prompt_logprobs"], _kiln_prompt_logprobs(deepseek_paths(scheme)[1]))
+    original = matrix.vllm[f"deepseek-src:{scheme}"]
+    assert original["ok"], original["error"]
+    vs_original = _mean(art["prompt_logprobs"], original["prompt_logprobs"])
+    print(f"deepseek-v3 {scheme}: vLLM plugin vs kiln serve {vs_kiln:.4f}, vs the original {vs_original:.4f}")
+    assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
+    assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
 
 
 def test_an_artifact_for_a_gpu_is_refused_before_a_weight_is_read(matrix: MatrixRun) -> None:

@@ -241,7 +241,7 @@ class ModelOptFormat(CheckpointFormat):
             want = None
         elif self.quant is None:
             want = self.layers.get(module) or self.layers.get(layout.name)
-        elif stored_quantized or not layout.replicated:
+        elif stored_quantized or not layout.full_precision:
             want = self.quant
         else:
             want = None  # lm_head and MoE routers stored 16-bit stay so (ModelOpt's default)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 from kernels.base import DenseWeight, SourceWeight, StoredTensor, Target, weight_shape
 from kernels.codecs.fp8 import quantize_fp8
 from kernels.errors import LayoutError
-from runtime.artifact.manifest import ExpertGroupEntry, LayerEntry, LayerVerification
+from runtime.artifact.manifest import DerivedEntry, ExpertGroupEntry, LayerEntry, LayerVerification
 from runtime.model_layout import ModelConfig
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError, VerificationError
@@ -29,7 +29,7 @@ HEADER_ENTRY_BYTES = 160  # {"dtype":"BF16","shape":[...],"data_offsets":[...]} 
 MAX_TENSORS_PER_LAYER = 8  # qweight, scales, zeros, g_idx, perm, bias, ... (the header estimate)
 KERNEL_BUG = "this is a kernel layout bug — disable the kernel with KILN_DISABLED_KERNELS and report it"
 
-UnitEntry = LayerEntry | ExpertGroupEntry
+UnitEntry = LayerEntry | ExpertGroupEntry | DerivedEntry
 
 
 @dataclass(frozen=True)

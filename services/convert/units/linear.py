@@ -174,7 +174,7 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     quant = _agree(ctx.fmt, layout)
     online = ctx.online_fp8
     # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them
-    keep = online is None or layout.replicated or quant.scheme != "dense"
+    keep = online is None or layout.full_precision or quant.scheme != "dense"
     target_quant = quant if keep else online
     assert target_quant is not None
     sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
@@ -237,7 +237,7 @@ def rank_specs(
 
 def _check_fp8_blocks(layout: LinearLayout, spec: LinearSpec, tp: int) -> None:
     """vLLM's validate_fp8_block_shape: per-rank slices must hold whole FP8 blocks."""
-    if spec.fp8_strategy != "block" or spec.block_size is None or tp == 1:
+    if spec.fp8_strategy != "block" or spec.block_size is None or tp == 1 or layout.replicated:
         return
     bn, bk = spec.block_size
     if spec.row_parallel and spec.k % bk:
