@@ -1,7 +1,7 @@
 """Mixture-of-experts conversion and CPU serving, each against a peer measured in the same run.
 
     .venv/bin/python bench/moe.py [--vllm-python .venv-vllm/bin/python] [--layers 4] [--experts 32]
-        [--tokens 64] [--threads 2] [--skip-decode]
+        [--tokens 64] [--threads 2] [--skip-decode] [--cells bf16 ...]
 
 1. Conversion throughput, GB/s of the SOURCE checkpoint's bytes, on two synthetic Qwen3-MoE
    checkpoints (hidden 2048, E experts of I=768 top-4 in every layer, vocabulary 2048 so the experts
@@ -270,6 +270,8 @@ def bench_conversion(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     }
     results: dict[str, Any] = {}
     for cell, (kind, target, method) in cells.items():
+        if args.cells and cell not in args.cells:
+            continue
         src = sources[kind]
         size = checkpoint_bytes(src)
         print(f"  {cell}: {src.name} ({size / 1e9:.2f} GB) -> {target} --method {method}", flush=True)
@@ -379,6 +381,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument(
+        "--cells", nargs="+", help="conversion cells to run (gptq bf16 nvfp4 nvfp4-cpu); all by default"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()

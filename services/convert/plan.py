@@ -24,7 +24,6 @@ from services.convert.safetensors_io import DTYPES
 from services.convert.spec import FP8_SCHEMES, METHODS
 from services.convert.units import UNIT_KINDS, PlanUnit
 from services.convert.units.base import HEADER_ENTRY_BYTES, PlanContext, PlanRow
-from services.convert.units.mla import mla_cache_note
 
 _FLOAT_ACT = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
 # Tensor suffixes that only quantized layers have: left over after planning they mean a layer Kiln
@@ -158,8 +157,7 @@ def build_plan(
             f"last decoder layer (e.g. {skipped[0]}) are skipped, as vLLM skips them: they only serve "
             "speculative decoding"
         )
-    if model.mla is not None:
-        notes.append(mla_cache_note(model.mla, model.num_layers, model.num_heads, act_dtype))
+    notes += [note for kind in UNIT_KINDS for note in kind.notes(ctx)]
     if dropped:
         notes.append(
             f"{len(dropped)} static activation / KV-cache scale tensors (e.g. {dropped[0]}) are not used: "

@@ -399,8 +399,11 @@ def test_vllm_serves_a_deepseek_v3_artifact(scheme: str, matrix: MatrixRun) -> N
     assert art["ok"], art["error"]
     assert len(art["output_token_ids"]) == MAX_TOKENS
     report = art["report"]
-    assert report["views"] + len(report["copied"]) == report["parameters"], report["not_views"][:5]
-    assert all(name.endswith(".self_attn.kv_b_proj.weight") for name in report["changed_after_binding"])
+    replaced = report["changed_after_binding"]  # kv_b_proj weights vLLM's MLA dropped (its AMX path)
+    assert all(name.endswith(".self_attn.kv_b_proj.weight") for name in replaced), replaced
+    assert report["views"] + len(report["copied"]) + len(replaced) == report["parameters"], report[
+        "not_views"
+    ]
     for copied in report["copied"]:
         assert (
             "norm.weight (cast to " in copied

@@ -125,6 +125,10 @@ class UnitKind(Protocol):
 
     def plan(self, ctx: PlanContext) -> Sequence[PlanUnit]: ...
 
+    def notes(self, ctx: PlanContext) -> list[str]:
+        """What the plan should say about this kind's units as a whole (none for most kinds)."""
+        ...
+
 
 def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
     return LayerQuant(

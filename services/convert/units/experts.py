@@ -232,6 +232,9 @@ class ExpertGroupKind:
     def module_count(self, ctx: PlanContext) -> int:
         return sum(3 * g.num_experts for g in expert_groups(ctx.model))
 
+    def notes(self, ctx: PlanContext) -> list[str]:
+        return []
+
     def plan(self, ctx: PlanContext) -> list[ExpertGroupUnit]:
         groups = [plan_experts(ctx, group) for group in expert_groups(ctx.model)]
         if ctx.expert_parallel and not groups:

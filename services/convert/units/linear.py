@@ -169,6 +169,9 @@ class LinearKind:
     def plan(self, ctx: PlanContext) -> list[LinearUnit]:
         return [plan_linear(ctx, layout) for layout in linear_layouts(ctx.model, ctx.has_lm_head)]
 
+    def notes(self, ctx: PlanContext) -> list[str]:
+        return []
+
 
 def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     quant = _agree(ctx.fmt, layout)

@@ -159,6 +159,14 @@ class AbsorbedMlaKind:
             units.append(AbsorbedMlaUnit(kv_b, quant, mla, ctx.tp, dtype, sources, online))
         return units
 
+    def notes(self, ctx: PlanContext) -> list[str]:
+        model = ctx.model
+        return (
+            []
+            if model.mla is None
+            else [mla_cache_note(model.mla, model.num_layers, model.num_heads, ctx.act_dtype)]
+        )
+
 
 def mla_cache_note(mla: MlaConfig, num_layers: int, num_heads: int, act_dtype: str) -> str:
     """What `kiln plan` says about MLA's KV cache, next to the multi-head cache it replaces."""
@@ -172,4 +180,4 @@ def mla_cache_note(mla: MlaConfig, num_layers: int, num_heads: int, act_dtype: s
     )
 
 
-__all__ = ["AbsorbedMlaKind", "AbsorbedMlaUnit", "mla_cache_note"]
+__all__ = ["AbsorbedMlaKind", "AbsorbedMlaUnit"]
