@@ -401,9 +401,8 @@ def test_vllm_serves_a_deepseek_v3_artifact(scheme: str, matrix: MatrixRun) -> N
     report = art["report"]
     replaced = report["changed_after_binding"]  # kv_b_proj weights vLLM's MLA dropped (its AMX path)
     assert all(name.endswith(".self_attn.kv_b_proj.weight") for name in replaced), replaced
-    assert report["views"] + len(report["copied"]) + len(replaced) == report["parameters"], report[
-        "not_views"
-    ]
+    bound = report["views"] + len(report["copied"]) + len(replaced)
+    assert bound == report["parameters"], report["not_views"]
     for copied in report["copied"]:
         assert (
             "norm.weight (cast to " in copied

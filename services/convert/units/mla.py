@@ -161,11 +161,9 @@ class AbsorbedMlaKind:
 
     def notes(self, ctx: PlanContext) -> list[str]:
         model = ctx.model
-        return (
-            []
-            if model.mla is None
-            else [mla_cache_note(model.mla, model.num_layers, model.num_heads, ctx.act_dtype)]
-        )
+        if model.mla is None:
+            return []
+        return [mla_cache_note(model.mla, model.num_layers, model.num_heads, ctx.act_dtype)]
 
 
 def mla_cache_note(mla: MlaConfig, num_layers: int, num_heads: int, act_dtype: str) -> str:
