@@ -237,18 +237,23 @@ def test_bad_moe_checkpoints_are_refused_naming_layer_and_expert(tmp_path: Path,
     assert leftovers == [], leftovers  # nothing committed, nothing staged
 
 
-def test_expert_group_bytes_are_the_linear_kernels_per_expert(qwen3_moe_gptq: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["qwen3_moe_gptq", "qwen2_moe_gptq", "deepseek_v3_gptq"])
+def test_expert_group_bytes_are_the_linear_kernels_per_expert(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Expert e's slice of the stacked tensors is what marlin_wna16 writes for that expert alone
-    (so the group holds vLLM's per-expert Marlin repack, as gptq_marlin_moe_repack does)."""
-    m = _convert(qwen3_moe_gptq, "sm80", tmp_path / "out")
-    spec = m.expert_groups[QWEN3_GROUPS[0]].moe_spec()
-    ckpt = open_checkpoint(open_source(str(qwen3_moe_gptq)))
+    (so the group holds vLLM's per-expert Marlin repack, as gptq_marlin_moe_repack does), for each
+    architecture's real llm-compressor experts."""
+    source: Path = request.getfixturevalue(fixture)
+    m = _convert(source, "sm80", tmp_path / "out")
+    ckpt = open_checkpoint(open_source(str(source)))
     fmt = detect_format(ckpt)
     group = expert_groups(ModelConfig.from_hf(ckpt.config))[0]
+    spec = m.expert_groups[group.name].moe_spec()
     marlin = BUILTIN_KERNELS["marlin_wna16"]
     with safe_open(str(tmp_path / "out" / m.artifact_id / "rank0.safetensors"), "pt") as f:
         stacked = {name: f.get_tensor(name) for name in f.keys() if name.startswith(group.name + ".")}  # noqa: SIM118
-    for e in (0, 5):
+    for e in (0, group.num_experts - 1):
         layouts = (group.w13(e), group.w13(e), group.w2(e))
         modules = [group.module(e, part) for part in range(3)]
         quants = [fmt.layer_quant(mod, lay) for mod, lay in zip(modules, layouts, strict=True)]
