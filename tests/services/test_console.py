@@ -185,9 +185,12 @@ def test_the_manifest_grid_carries_verification() -> None:
                   "verification": {"ok": False, "metric": "max_rel_err", "value": 0.5, "bound": 0.01}},
         },
         "expert_groups": {"m": {"kernel": "cpu_int4_experts"}},
+        "derived": {"d": {"kernel": "mla_absorbed",
+                          "verification": {"ok": True, "metric": "exact", "value": 0.0, "bound": 0.0}}},
     }  # fmt: skip
     grid = views.grid_from_manifests([("ka-1", 123, manifest)])
     cells = {layer: c[0] for layer, c in grid.rows}
+    assert cells["d"] is not None and cells["d"].kernel == "mla_absorbed"  # MLA's absorbed matrices
     assert cells["a"] is not None and cells["a"].verification == "exact"
     assert cells["b"] is not None and cells["b"].verification.startswith("FAILED max_rel_err 5.00e-01")
     assert cells["m"] is not None and cells["m"].verification == ""

@@ -148,7 +148,11 @@ def grid_from_manifests(artifacts: Iterable[tuple[str, int, Mapping[str, Any]]])
     summaries: dict[str, TargetSummary] = {}
     for artifact_id, size, manifest in artifacts:
         target = str(manifest["target"])
-        entries = {**manifest.get("layers", {}), **manifest.get("expert_groups", {})}
+        entries = {
+            **manifest.get("layers", {}),
+            **manifest.get("expert_groups", {}),
+            **manifest.get("derived", {}),  # MLA's absorbed matrices: rows of the plan too
+        }
         columns[target] = {name: _manifest_cell(e) for name, e in entries.items()}
         summaries[target] = TargetSummary(
             target=target,
