@@ -143,41 +143,64 @@ def _artifact_tensors(artifact: Path, names: list[str]) -> dict[str, torch.Tenso
         return {n: f.get_tensor(n) for n in names}
 
 
-@pytest.mark.parametrize("fixture", ["deepseek_v3_bf16", "deepseek_v3_fp8_block"])
+ABSORBED_SOURCES = ("deepseek_v3_bf16", "deepseek_v3_fp8_block")
+
+
+@pytest.fixture(scope="module")
+def vllm_absorbed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, dict[str, dict[str, torch.Tensor]]]]:
+    """Per source: (its sm80 artifact, vLLM's W_UK_T / W_UV of every layer's kv_b_proj), from one run
+    of vLLM's venv for both sources."""
+    python = vllm_python()
+    work = tmp_path_factory.mktemp("vllm_absorbed")
+    cases: dict[str, dict[str, Any]] = {}
+    artifacts: dict[str, Path] = {}
+    for fixture in ABSORBED_SOURCES:
+        source: Path = request.getfixturevalue(fixture)
+        (result,) = convert(ConversionRequest(str(source), ["sm80"], out=str(work / fixture)))
+        manifest = result.manifest
+        assert manifest.schema_version == DERIVED_SCHEMA_VERSION and len(manifest.derived) == 3
+        artifacts[fixture] = work / fixture / manifest.artifact_id
+        mla = ModelConfig.from_hf(manifest.hf_config).mla
+        assert mla is not None
+        for layer in range(3):
+            module = f"model.layers.{layer}.self_attn.kv_b_proj"
+            names = [f"{module}.weight", f"{module}.weight_scale_inv", f"{module}.weight_scale"]
+            found = _checkpoint_tensors(source, names)
+            case: dict[str, Any] = {"weight": found[f"{module}.weight"], "L": mla.kv_lora_rank, "N": 4,
+                                    "P": mla.qk_nope_head_dim, "V": mla.v_head_dim}  # fmt: skip
+            scale = found.get(f"{module}.weight_scale_inv", found.get(f"{module}.weight_scale"))
+            if scale is not None:
+                case["weight_scale_inv"] = scale.float()
+            cases[f"{fixture}:{module}"] = case
+    torch.save(cases, work / "in.pt")
+    proc = subprocess.run(
+        [str(python), "-c", VLLM_SCRIPT, str(work / "in.pt"), str(work / "out.pt")],
+        env=vllm_env(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    theirs = torch.load(work / "out.pt", weights_only=True)
+    return {
+        fixture: (
+            artifacts[fixture],
+            {k.split(":", 1)[1]: v for k, v in theirs.items() if k.startswith(fixture + ":")},
+        )
+        for fixture in ABSORBED_SOURCES
+    }
+
+
+@pytest.mark.parametrize("fixture", ABSORBED_SOURCES)
 def test_absorbed_matrices_are_vllms_split_kv_b_proj(
-    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+    fixture: str, vllm_absorbed: dict[str, tuple[Path, dict[str, dict[str, torch.Tensor]]]]
 ) -> None:
     """The sm80 artifact's W_UK_T / W_UV, byte for byte, against vLLM 0.32's `split_kv_b_proj` and
     the layouts its MLAAttention.process_weights_after_loading stores, run in vLLM's venv on the
     checkpoint's kv_b_proj. bf16: vLLM casts the weight to the act dtype. Block FP8: vLLM's fp32
     `scaled_dequantize` (its path without Marlin or DeepGEMM; on sm80 it dequantizes through the
     Marlin kernel instead, which rounds the block scales to bf16 first)."""
-    source: Path = request.getfixturevalue(fixture)
-    python = vllm_python()
-    (result,) = convert(ConversionRequest(str(source), ["sm80"], out=str(tmp_path / "out")))
-    manifest = result.manifest
-    assert manifest.schema_version == DERIVED_SCHEMA_VERSION and len(manifest.derived) == 3
-    mla = ModelConfig.from_hf(manifest.hf_config).mla
-    assert mla is not None
-    cases: dict[str, dict[str, Any]] = {}
-    for layer in range(3):
-        module = f"model.layers.{layer}.self_attn.kv_b_proj"
-        names = [f"{module}.weight", f"{module}.weight_scale_inv", f"{module}.weight_scale"]
-        found = _checkpoint_tensors(source, names)
-        case: dict[str, Any] = {"weight": found[f"{module}.weight"], "L": mla.kv_lora_rank, "N": 4,
-                                "P": mla.qk_nope_head_dim, "V": mla.v_head_dim}  # fmt: skip
-        scale = found.get(f"{module}.weight_scale_inv", found.get(f"{module}.weight_scale"))
-        if scale is not None:
-            case["weight_scale_inv"] = scale.float()
-        cases[module] = case
-    torch.save(cases, tmp_path / "in.pt")
-    proc = subprocess.run(
-        [str(python), "-c", VLLM_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env=vllm_env(), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
-    artifact = tmp_path / "out" / manifest.artifact_id
+    artifact, theirs = vllm_absorbed[fixture]
+    assert len(theirs) == 3
     for module, want in theirs.items():
         name = absorbed_name(module.removesuffix(".kv_b_proj"))
         ours = _artifact_tensors(artifact, [f"{name}.W_UK_T", f"{name}.W_UV"])
