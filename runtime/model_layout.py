@@ -47,6 +47,7 @@ MAX_POSITIONS = 1 << 26  # max_position_embeddings, sliding_window, rope's origi
 MAX_EXPERTS = 1 << 14
 MAX_ROPE_THETA = 1e12
 MAX_ROPE_FACTOR = 1e6
+MAX_ROUTED_SCALING = 1e6  # routed_scaling_factor (DeepSeek-V2: 16)
 # The caps above by config.json field: what the converter (services/convert/limits.py) checks on a
 # checkpoint's config before planning, and what the loader checks on a manifest's.
 DIMENSION_CAPS: dict[str, int] = {
@@ -570,7 +571,7 @@ def deepseek_routing(read: ConfigValues, experts: int, top_k: int, default_metho
         raise read.error("scoring_func", scoring, "must be softmax or sigmoid")
     if method not in ("noaux_tc", "group_limited_greedy", "greedy"):
         raise read.error("topk_method", method, "must be noaux_tc, group_limited_greedy or greedy")
-    scaling = read.real("routed_scaling_factor", 1.0, hi=MAX_ROPE_FACTOR)
+    scaling = read.real("routed_scaling_factor", 1.0, hi=MAX_ROUTED_SCALING)
     if method == "greedy":
         return Routing(scoring=scoring, scaling=scaling)
     groups = read.integer("n_group", experts, default=1)

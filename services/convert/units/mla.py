@@ -41,8 +41,6 @@ from services.convert.units.base import (
 )
 from services.convert.verify import compare, worst_of
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass(frozen=True)
 class MlaAbsorption:
@@ -98,7 +96,7 @@ class AbsorbedMlaUnit:
     def stored_bytes(self, rank: int, target: Target) -> int:
         mla = self.mla
         per_head = mla.kv_lora_rank * (mla.qk_nope_head_dim + mla.v_head_dim)
-        return self.heads_per_rank * per_head * _DTYPES[self.dtype].itemsize
+        return self.heads_per_rank * per_head * getattr(torch, self.dtype).itemsize
 
     def header_bytes(self) -> int:
         return len(ABSORBED_SUFFIXES) * (len(self.name) + 8 + HEADER_ENTRY_BYTES)
@@ -109,7 +107,7 @@ class AbsorbedMlaUnit:
         source = files.fmt.decode(module, self.quant, tensors)
         del tensors
         check_source_shape(module, source, (self.kv_b_proj.n, self.kv_b_proj.k))
-        dtype = _DTYPES[self.dtype]
+        dtype: torch.dtype = getattr(torch, self.dtype)
         nope, heads = self.mla.qk_nope_head_dim, self.heads_per_rank
         rows = self.kv_b_proj.n // self.tp
         worst = None
@@ -168,7 +166,7 @@ class AbsorbedMlaKind:
 
 def mla_cache_note(mla: MlaConfig, num_layers: int, num_heads: int, act_dtype: str) -> str:
     """What `kiln plan` says about MLA's KV cache, next to the multi-head cache it replaces."""
-    itemsize = _DTYPES[act_dtype].itemsize
+    itemsize = getattr(torch, act_dtype).itemsize
     latent = num_layers * mla.latent_dim * itemsize
     mha = mla.mha_kv_bytes_per_token(num_layers, num_heads, itemsize)
     return (
