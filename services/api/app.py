@@ -25,6 +25,7 @@ from services.api.errors import install_handlers
 from services.api.middleware import HttpMetrics
 from services.api.routes import artifacts, conversions, health, plans
 from services.api.token_cache import TokenCache
+from services.api.warmup import warm_up
 from services.settings import ServiceSettings, get_settings
 from services.worker.celery_app import make_celery
 from services.worker.dispatch import CeleryDispatcher, Dispatcher
@@ -52,6 +53,7 @@ def create_app(settings: ServiceSettings | None = None, dispatcher: Dispatcher |
         start = getattr(d, "start", None)
         if start is not None:
             start()
+        await anyio.to_thread.run_sync(warm_up, settings, d)
         app.state.dispatcher = d
         try:
             yield

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import Row, bindparam, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
@@ -192,16 +192,18 @@ def submit_job(
             "stage": "queued",
             "task_id": task_id,
         }
-        job = session.scalars(_insert_unless_conflicting(session), [values]).one_or_none()
-        if job is not None:
-            return Submission(job, True)
+        row = session.connection().execute(_insert_unless_conflicting(session), values).one_or_none()
+        if row is not None:
+            return Submission(_detached_job(row), True)
         found = _existing(session, digest, idempotency_key, token_id)
         if found is not None:
             return Submission(found, False)
     raise RuntimeError(f"job for {spec.source!r}: conflicting inserts kept racing; submit again")
 
 
+_JOBS = Job.__table__
 _INSERT_JOB: dict[str, Any] = {}  # by dialect; values travel as parameters (a fixed cache key)
+_JOB_BY_ID = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
 
 
 def _insert_unless_conflicting(session: Session) -> Any:
@@ -212,8 +214,15 @@ def _insert_unless_conflicting(session: Session) -> Any:
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
-        stmt = _INSERT_JOB[dialect] = insert(Job).on_conflict_do_nothing().returning(Job)
+        stmt = _INSERT_JOB[dialect] = insert(_JOBS).on_conflict_do_nothing().returning(*_JOBS.c)
     return stmt
+
+
+def _detached_job(row: Row[Any]) -> Job:
+    """A Job built from a Core row, in no session. The API's per-request reads and its submission
+    insert go through Core: the ORM's bulk-insert and identity-map machinery cost as much CPU as the
+    rest of a status poll (bench/load.py profile)."""
+    return Job(**row._mapping)
 
 
 def set_task_id(session: Session, job_id: str, task_id: str) -> None:
@@ -237,7 +246,8 @@ class Viewer:
 
 def get_job_for(session: Session, job_id: str, viewer: Viewer) -> Job | None:
     """The job, or None when it does not exist or belongs to another token (indistinguishable)."""
-    job = session.get(Job, job_id)
+    row = session.connection().execute(_JOB_BY_ID, {"job_id": job_id}).one_or_none()
+    job = None if row is None else _detached_job(row)
     return job if job is not None and viewer.sees(job) else None
 
 

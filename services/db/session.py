@@ -135,14 +135,15 @@ def dispose_engines(close: bool = False) -> None:
         _factories.clear()
 
 
-def session_factory(settings: ServiceSettings, *, read_only: bool = False) -> sessionmaker[Session]:
-    """Sessions on the process's engine. `read_only`: its connections run in autocommit (each
-    statement sees what is committed; no BEGIN / COMMIT round trips), for requests that only read."""
-    key = (settings.resolved_database_url, read_only)
+def session_factory(settings: ServiceSettings, *, autocommit: bool = False) -> sessionmaker[Session]:
+    """Sessions on the process's engine. `autocommit`: its connections run each statement as its own
+    transaction (each sees what is committed; no BEGIN / COMMIT round trips), for reads and for
+    writes that are one statement."""
+    key = (settings.resolved_database_url, autocommit)
     factory = _factories.get(key)
     if factory is None:
         engine = get_engine(settings)
-        bind = engine.execution_options(isolation_level="AUTOCOMMIT") if read_only else engine
+        bind = engine.execution_options(isolation_level="AUTOCOMMIT") if autocommit else engine
         with _lock:
             factory = _factories.setdefault(key, sessionmaker(bind, expire_on_commit=False))
     return factory
@@ -165,29 +166,33 @@ def run_unit(
     *,
     what: str,
     read_only: bool = False,
+    autocommit: bool = False,
     idempotent: bool = False,
 ) -> T:
     """Run `work(session)` as one unit of work and return its result: in a transaction committed
-    at the end, or (`read_only`) on an autocommit connection.
+    at the end, or on an autocommit connection for a `read_only` unit and for an `autocommit` one
+    (a write whose every statement stands on its own, such as one INSERT … ON CONFLICT … RETURNING
+    and the reads after it; this saves the BEGIN and COMMIT round trips).
 
     A pooled connection the server dropped (failover, restart, `pg_terminate_backend`, an idle
     kill) is found at its first statement at the latest; the pool then discards it and every
     connection as old, and the unit runs again on a new connection, with one warning line, when
     that is safe: always for reads, and for writes whose failure came before COMMIT was sent (the
     server rolled the transaction back when the connection died). A failure during COMMIT leaves
-    the outcome unknown, so it is retried only for an `idempotent` unit. A unit runs at most
+    the outcome unknown, so it is retried only for an `idempotent` unit; so is any loss during an
+    `autocommit` write, whose statements commit as they run. A unit runs at most
     LOST_CONNECTION_ATTEMPTS times: two losses in a row happen when the server drops every
     connection while a unit is already retrying on a connection killed a moment before (measured:
     rounds of `pg_terminate_backend` sweeps under load). Any other error, and a loss on the last
     attempt, surface as they are. `work` must do nothing outside the database that another run
     would repeat harmfully."""
-    factory = session_factory(settings, read_only=read_only)
+    factory = session_factory(settings, autocommit=read_only or autocommit)
     for attempt in range(1, LOST_CONNECTION_ATTEMPTS + 1):
-        committing = False
+        committing = autocommit
         session = factory()
         try:
             result = work(session)
-            if not read_only:
+            if not (read_only or autocommit):
                 session.flush()
                 committing = True
                 session.commit()

@@ -52,6 +52,9 @@ class EmbeddedWorker:
     def send(self, job_id: str, task_id: str | None) -> None:
         self._queue.put(job_id)
 
+    def connect(self, connections: int) -> None:
+        return None  # an in-memory queue
+
     def healthy(self) -> tuple[bool, str]:
         alive = sum(t.is_alive() for t in self._threads)
         return (alive > 0, f"embedded worker: {alive} thread(s) alive, {self._queue.qsize()} queued")

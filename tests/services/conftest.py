@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-REDIS_TEST_URL = "redis://127.0.0.1:6379/15"
+REDIS_TEST_DBS = range(15, 7, -1)  # one per pytest-xdist worker (gw0: 15, gw1: 14, ...)
 # Fast redelivery for tests (docs/formats.md §17.4): jobs here are far shorter than the visibility timeout.
 TEST_VISIBILITY_TIMEOUT_S = 20
 TEST_RESTORE_INTERVAL_S = 5
@@ -92,14 +92,19 @@ def pg_url() -> Iterator[str]:
 def redis_url() -> Iterator[str]:
     import redis
 
-    client = redis.Redis.from_url(REDIS_TEST_URL)
+    # A session flushes its database at start and end, and kombu keeps its unacknowledged messages
+    # and their restore lock in per-database keys: parallel workers sharing one database lost each
+    # other's redeliveries (seen with `-n 2`).
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    url = f"redis://127.0.0.1:6379/{REDIS_TEST_DBS[worker % len(REDIS_TEST_DBS)]}"
+    client = redis.Redis.from_url(url)
     try:
         client.ping()
     except redis.ConnectionError:
         pytest.skip("Redis is not running on 127.0.0.1:6379 (run infra/ensure-services.sh)")
     client.flushdb()
     try:
-        yield REDIS_TEST_URL
+        yield url
     finally:
         client.flushdb()
         client.close()

@@ -65,17 +65,23 @@ def test_a_status_poll_is_one_select_with_no_transaction(
     assert all(s.startswith("SELECT") and "FROM jobs" in s for s in statements), statements
 
 
-def test_a_submission_is_one_insert(base_url: str, settings: Settings, statements: list[str]) -> None:
+def test_a_submission_is_one_insert_with_no_transaction(
+    base_url: str, settings: Settings, statements: list[str]
+) -> None:
     token = create_token(settings)
+    commits: list[object] = []
+    event.listen(get_engine(settings), "commit", lambda *_: commits.append(1))
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}) as c:
         c.get("/v1/conversions")  # the token is now remembered
         statements.clear()
         r = c.post("/v1/conversions", json={"source": "s3://checkpoints/one", "targets": ["cpu"]})
         assert r.status_code == 202 and r.headers["location"] == f"/v1/conversions/{r.json()['id']}"
+        first, commits_of_first = list(statements), len(commits)
         again = c.post("/v1/conversions", json={"source": "s3://checkpoints/one", "targets": ["cpu"]})
         assert again.json()["id"] == r.json()["id"]  # the conflict path still finds the live job
-    first = [s for s in statements[: len(statements) // 2 + 1] if not s.startswith(("BEGIN", "COMMIT"))]
-    assert first[0].startswith("INSERT INTO jobs") and "ON CONFLICT DO NOTHING" in first[0], statements
+    assert len(first) == 1, first
+    assert first[0].startswith("INSERT INTO jobs") and "ON CONFLICT DO NOTHING" in first[0], first
+    assert commits_of_first == 0  # autocommit: no BEGIN / COMMIT round trips
 
 
 def test_a_revoked_token_stops_working_within_the_token_cache_time(base_url: str, settings: Settings) -> None:
@@ -92,7 +98,7 @@ def test_a_revoked_token_stops_working_within_the_token_cache_time(base_url: str
 def test_a_pooled_connection_the_server_dropped_is_replaced_without_a_ping(
     settings: Settings, statements: list[str]
 ) -> None:
-    factory = session_factory(settings, read_only=True)
+    factory = session_factory(settings, autocommit=True)
     with factory() as s:
         pid = s.execute(text("SELECT pg_backend_pid()")).scalar_one()
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
@@ -134,3 +140,55 @@ def test_the_load_benchmark_runs_against_kiln_api_with_two_processes(
     assert api["requests"] == 120 and api["5xx"] == 0 and api["lost"] == 0, api
     assert api["submissions_accepted"] > 0 and api["accepted_missing_in_sql"] == 0
     assert set(api["by_method"]) == {"GET", "POST"}
+
+
+def test_a_fresh_api_answers_its_first_requests_on_connections_opened_at_start(
+    settings: Settings, serve_app: Callable[..., str], statements: list[str], redis_url: str
+) -> None:
+    """warm_up (services/api/warmup.py) opens api_threads database connections and the broker's
+    producer connections before uvicorn accepts: concurrent first requests open none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import redis
+
+    token = create_token(settings)
+    engine = get_engine(settings)
+    opened: list[object] = []
+    event.listen(engine, "connect", lambda *_: opened.append(1))
+    broker = redis.Redis.from_url(redis_url)
+    db = str(broker.connection_pool.connection_kwargs["db"])
+
+    def broker_clients() -> int:
+        return sum(1 for c in broker.client_list() if c["db"] == db)
+
+    try:
+        base_url = serve_app(create_app(settings))
+        assert opened, "the start opened no database connection"
+        pooled, clients = len(opened), broker_clients()
+        assert engine.pool.checkedin() >= settings.api_threads
+        statements.clear()
+
+        def submit(i: int) -> int:
+            body = {"source": f"s3://checkpoints/warm-{i}", "targets": ["cpu"]}
+            headers = {"Authorization": f"Bearer {token}"}
+            return httpx.post(f"{base_url}/v1/conversions", json=body, headers=headers).status_code
+
+        with ThreadPoolExecutor(settings.api_threads) as pool:
+            assert list(pool.map(submit, range(2 * settings.api_threads))) == [202] * 2 * settings.api_threads
+        assert len(opened) == pooled, "a first request opened a database connection"
+        assert broker_clients() <= clients, "a first request opened a broker connection"
+    finally:
+        broker.close()
+
+
+def test_the_api_starts_when_its_database_is_down_at_start(
+    services_env: dict[str, str], serve_app: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    down = make_settings(
+        {**services_env, "KILN_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:9/none"}
+    )
+    with caplog.at_level("WARNING", logger="services.api.warmup"):
+        base_url = serve_app(create_app(down))
+    assert "API warm-up: no database connection" in caplog.text
+    r = httpx.get(f"{base_url}/health")
+    assert r.status_code == 503 and r.json()["checks"]["db"] == "down", r.text

@@ -36,6 +36,9 @@ class QueueOnlyDispatcher:
     def send(self, job_id: str, task_id: str | None) -> None:
         return None
 
+    def connect(self, connections: int) -> None:
+        return None
+
     def healthy(self) -> tuple[bool, str]:
         return True, "queue-only test dispatcher"
 

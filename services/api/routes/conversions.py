@@ -95,7 +95,8 @@ def submit(
             task_id=task_id,
         ),
         what="a submission",
-        idempotent=True,  # a rerun finds the row a lost COMMIT may have written (its dedupe key)
+        autocommit=True,  # one INSERT … ON CONFLICT, and reads only when it conflicted
+        idempotent=True,  # a rerun finds the row a lost commit may have written (its dedupe key)
     )  # the row is durable before any worker can see the id
     job = sub.job
     # Ours if created now, or by this request's own attempt whose COMMIT's answer was lost.
