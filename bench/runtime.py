@@ -23,8 +23,10 @@ Every system runs in its own process, so each figure includes nothing of the oth
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/builders/smollm2.py —
 bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
-declared and the same checkpoint weight-only, and kiln-gguf-q4_1: llama.cpp's own GGUF converted as it is,
-its Q4_1 layers in cpu_int4 — converted on first use and cached under .cache/kiln-test/artifacts;
+declared and the same checkpoint weight-only, the GPTQ one with `--quantize-head int8`, and
+kiln-gguf-q4_1: llama.cpp's own GGUF converted as it is, its Q4_1 layers in cpu_int4, also with
+`--quantize-head int8` (llama.cpp's head is the GGUF's Q8_0 tied embedding) — converted on first use
+and cached under .cache/kiln-test/artifacts;
 --default-artifacts picks some of them), the --serve ones also behind `kiln serve`; transformers on the
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
@@ -71,6 +73,7 @@ BATCHES = (1, 8, 16)
 WARMUP_TOKENS = 8
 PREFILL_REPEATS = 3  # prefill (prompt -> first token of every sequence): the fastest of this many
 GGUF_ARTIFACT = "kiln-gguf-q4_1"  # Kiln converted from the GGUF llama.cpp runs: the weight-for-weight row
+GGUF_INT8_HEAD_ARTIFACT = "kiln-gguf-q4_1-int8-head"  # the same with --quantize-head int8
 
 
 def _peak_rss_mb() -> float:
@@ -357,18 +360,20 @@ def default_artifacts(
     from devtools/builders/smollm2.py's cache; `gguf` (llama.cpp's file) converted as it is."""
     from devtools.builders import smollm2
 
-    sources: dict[str, tuple[Any, str, tuple[str, ...]]] = {
-        "bf16": (smollm2.build_bf16, "auto", ()),
-        "fp8": (smollm2.build_bf16, "fp8", ()),
-        "int4-gptq": (smollm2.build_gptq, "auto", ()),
-        "int4-awq": (smollm2.build_awq_packed, "auto", ()),
+    # name -> (source builder, --method, disabled kernels, --quantize-head)
+    sources: dict[str, tuple[Any, str, tuple[str, ...], str | None]] = {
+        "bf16": (smollm2.build_bf16, "auto", (), None),
+        "fp8": (smollm2.build_bf16, "fp8", (), None),
+        "int4-gptq": (smollm2.build_gptq, "auto", (), None),
+        "int4-gptq-int8-head": (smollm2.build_gptq, "auto", (), "int8"),
+        "int4-awq": (smollm2.build_awq_packed, "auto", (), None),
         # SmoothQuant W8A8 as declared (int8 x int8) and the same checkpoint weight-only
-        "int8-w8a8": (smollm2.build_w8a8_int8, "auto", ()),
-        "int8-w8a8-as-w8a16": (smollm2.build_w8a8_int8, "auto", ("cpu_w8a8",)),
+        "int8-w8a8": (smollm2.build_w8a8_int8, "auto", (), None),
+        "int8-w8a8-as-w8a16": (smollm2.build_w8a8_int8, "auto", ("cpu_w8a8",), None),
     }
     artifacts: dict[str, Path] = {}
     source: Path | None = None
-    for name, (builder, method, disabled) in sources.items():
+    for name, (builder, method, disabled, head) in sources.items():
         if names is not None and name not in names:
             continue
         try:
@@ -379,15 +384,19 @@ def default_artifacts(
             if builder is smollm2.build_bf16:
                 source = src
             artifacts[f"kiln-{name}"] = smollm2.build_artifact(
-                src, "cpu", method=method, disabled_kernels=disabled
+                src, "cpu", method=method, disabled_kernels=disabled, quantize_head=head
             )
         except Exception as e:  # a missing piece should not stop the other measurements
             print(f"  skip kiln-{name}: {type(e).__name__}: {e}")
-    if names is None or GGUF_ARTIFACT.removeprefix("kiln-") in names:
-        try:  # llama.cpp's own file, its Q4_1 layers as they are: the weight-for-weight row
-            artifacts[GGUF_ARTIFACT] = smollm2.build_artifact(gguf, "cpu")
+    # llama.cpp's own file, its Q4_1 layers as they are: the weight-for-weight rows (its head is the
+    # Q8_0 tied embedding; with --quantize-head int8 Kiln's is 8-bit too)
+    for name, head in ((GGUF_ARTIFACT, None), (GGUF_INT8_HEAD_ARTIFACT, "int8")):
+        if names is not None and name.removeprefix("kiln-") not in names:
+            continue
+        try:
+            artifacts[name] = smollm2.build_artifact(gguf, "cpu", quantize_head=head)
         except Exception as e:
-            print(f"  skip {GGUF_ARTIFACT}: {type(e).__name__}: {e}")
+            print(f"  skip {name}: {type(e).__name__}: {e}")
     return artifacts, source
 
 
@@ -538,10 +547,10 @@ def ratios_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]
     return ratios
 
 
-def weight_for_weight(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Kiln and llama.cpp on the same GGUF Q4_1 weights: prefill and decode tok/s at every batch size
-    both report, and Kiln / llama.cpp (llama.cpp's batch B: one sequence after another)."""
-    kiln, llama = results.get(GGUF_ARTIFACT), results.get("llama.cpp")
+def weight_for_weight(results: dict[str, dict[str, Any]], artifact: str) -> dict[str, Any] | None:
+    """Kiln's `artifact` and llama.cpp on the same GGUF Q4_1 weights: prefill and decode tok/s at every
+    batch size both report, and Kiln / llama.cpp (llama.cpp's batch B: one sequence after another)."""
+    kiln, llama = results.get(artifact), results.get("llama.cpp")
     if kiln is None or llama is None:
         return None
     rows: dict[str, Any] = {}
@@ -549,7 +558,7 @@ def weight_for_weight(results: dict[str, dict[str, Any]]) -> dict[str, Any] | No
         mine, theirs = kiln.get(f"{what}_tok_s", {}), llama.get(f"{what}_tok_s", {})
         for b in sorted(set(mine) & set(theirs), key=lambda k: (len(k), k)):
             rows[f"{what} b{b}"] = {"kiln": mine[b], "llama.cpp": theirs[b], "ratio": mine[b] / theirs[b]}
-    return {"kiln": GGUF_ARTIFACT, "llama.cpp_sequential_batches": bool(llama.get("batches_sequential")),
+    return {"kiln": artifact, "llama.cpp_sequential_batches": bool(llama.get("batches_sequential")),
             "rows": rows}  # fmt: skip
 
 
@@ -609,14 +618,14 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
     for c in sorted({k for rr in ratios.values() for k in rr}):
         ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
     console.print(ratio_table)
-    w4w = weight_for_weight(results)
-    if w4w is not None:
-        console.print(weight_for_weight_table(w4w))
-        if w4w["llama.cpp_sequential_batches"]:
+    w4w = {a: t for a in (GGUF_ARTIFACT, GGUF_INT8_HEAD_ARTIFACT) if (t := weight_for_weight(results, a))}
+    for table in w4w.values():
+        console.print(weight_for_weight_table(table))
+        if table["llama.cpp_sequential_batches"]:
             console.print("llama.cpp's batch B: its Python API runs one sequence after another")
     goals = goals_of(results, ratios, import_torch)
     console.print({"goals": goals})
-    return {"ratios": ratios, "goals": goals, "weight_for_weight": w4w}
+    return {"ratios": ratios, "goals": goals, "weight_for_weight": w4w or None}
 
 
 def parse_args() -> argparse.Namespace:

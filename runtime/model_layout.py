@@ -701,12 +701,16 @@ ARCHITECTURES: dict[str, Architecture] = {
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 
-def linear_layouts(cfg: ModelConfig, has_lm_head: bool) -> list[LinearLayout]:
-    """Every linear layer in execution order: each decoder layer's, then lm_head."""
+EMBEDDING_MODULE = "model.embed_tokens"
+
+
+def linear_layouts(cfg: ModelConfig, has_lm_head: bool, tied_head: bool = False) -> list[LinearLayout]:
+    """Every linear layer in execution order: each decoder layer's, then lm_head — the checkpoint's,
+    or with `tied_head` a layer of its own read from the tied embedding (--quantize-head)."""
     arch = ARCHITECTURES[cfg.architecture]
     out = [lin for layer in range(cfg.num_layers) for lin in arch.decoder_linears(cfg, layer)]
-    if has_lm_head:
-        lm_head = ShardLayout("lm_head", cfg.vocab_size)
+    if has_lm_head or tied_head:
+        lm_head = ShardLayout("lm_head" if has_lm_head else EMBEDDING_MODULE, cfg.vocab_size)
         head = LinearLayout("lm_head", (lm_head,), cfg.hidden_size, False, CLASS_LM_HEAD, None)
         out.append(dataclasses.replace(head, replicated=True, full_precision=True))
     return out

@@ -397,9 +397,11 @@ def build_artifact(
     cache: Path | None = None,
     progress: Callable[[Any], None] | None = None,
     disabled_kernels: tuple[str, ...] = (),
+    quantize_head: str | None = None,
 ) -> Path:
     """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed);
-    `disabled_kernels` leaves kernels out of the choice (e.g. cpu_w8a8 to run W8A8 as W8A16)."""
+    `disabled_kernels` leaves kernels out of the choice (e.g. cpu_w8a8 to run W8A8 as W8A16),
+    `quantize_head` is `kiln convert --quantize-head`."""
     from filelock import FileLock
 
     from services.convert.library import ConversionRequest, convert
@@ -413,6 +415,7 @@ def build_artifact(
             method=method,
             out=str(out),
             disabled_kernels=disabled_kernels,
+            quantize_head=quantize_head,  # type: ignore[arg-type]
         )
         (result,) = convert(request, progress=progress)
     return Path(result.uri)

@@ -48,6 +48,17 @@ def symmetric_channelwise_int8(
     return qweight, weight.scales.reshape(n)
 
 
+def quantize_channelwise_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> IntWeight:
+    """(N, K) float weight -> symmetric channelwise 8-bit `IntWeight` (uint8b128 codes, scales (1, N)
+    in `scale_dtype`): scale = max |row| / 127, rounded to `scale_dtype` before the codes are taken
+    from it, so the codes times the stored scales are what the weight is quantized to (an all-zero
+    row gets a tiny finite scale and zero codes)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1).clamp_(min=MIN_AMAX) / INT8_MAX).to(scale_dtype)  # (N,)
+    codes = torch.div(wf, scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+    return IntWeight(codes=(codes + CODE_BIAS).to(torch.uint8), scales=scale[None, :], bits=8, group_size=-1)
+
+
 def quantize_per_token_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (q (M, K) int8, scale (M,) float32); x ≈ q * scale[:, None]."""
     xf = x2.float()

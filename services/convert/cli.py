@@ -25,7 +25,7 @@ from rich.table import Table
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
-from services.convert.spec import FP8_SCHEMES, METHODS, ConversionSpec, conversion_spec
+from services.convert.spec import FP8_SCHEMES, HEAD_QUANTS, METHODS, ConversionSpec, conversion_spec
 
 if TYPE_CHECKING:
     from services.convert.pipeline import ConversionResult
@@ -47,6 +47,13 @@ METHOD_HELP = f"auto (keep the checkpoint's quantization) | {' | '.join(METHODS[
 MethodOpt = Annotated[str, typer.Option("--method", help=METHOD_HELP)]
 SchemeOpt = Annotated[str, typer.Option("--fp8-scheme", help=f"online FP8 scales: {' | '.join(FP8_SCHEMES)}")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
+HeadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize-head",
+        help=f"quantize lm_head online for the cpu target: {' | '.join(HEAD_QUANTS)} (default: 16-bit)",
+    ),
+]
 
 
 def _ranks(tp: int, ep: int | None) -> tuple[int, bool]:
@@ -95,12 +102,14 @@ def _kernel(name: str) -> object:
         return None
 
 
-def _spec(source: str, target: str, method: str, fp8_scheme: str, tp: int, ep: int | None) -> ConversionSpec:
+def _spec(
+    source: str, target: str, method: str, fp8_scheme: str, tp: int, ep: int | None, head: str | None
+) -> ConversionSpec:
     """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
     from services.convert.library import parse_targets
 
     ranks, expert_parallel = _ranks(tp, ep)
-    options = {"fp8_scheme": fp8_scheme, "expert_parallel": expert_parallel}
+    options = {"fp8_scheme": fp8_scheme, "expert_parallel": expert_parallel, "quantize_head": head}
     targets = parse_targets(target)
     return conversion_spec(source=source, targets=targets, method=method, tp=ranks, options=options)
 
@@ -113,12 +122,13 @@ def plan_cmd(
     fp8_scheme: SchemeOpt = "tensor",
     as_json: JsonOpt = False,
     ep: EpOpt = None,
+    quantize_head: HeadOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
     from services.convert.library import plan_targets
 
     try:
-        plans = plan_targets(_spec(source, target, method, fp8_scheme, tp, ep))
+        plans = plan_targets(_spec(source, target, method, fp8_scheme, tp, ep, quantize_head))
     except KilnError as e:
         _fail(e)
         return
@@ -149,6 +159,7 @@ def convert_cmd(
     ] = "",
     as_json: JsonOpt = False,
     ep: EpOpt = None,
+    quantize_head: HeadOpt = None,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from services.convert.library import ConversionRequest, convert
@@ -157,7 +168,7 @@ def convert_cmd(
 
     settings = get_settings()
     try:
-        spec = _spec(source, target, method, fp8_scheme, tp, ep)
+        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head)
         req = ConversionRequest.from_spec(spec, out=out_url or settings.resolved_store_url)
     except KilnError as e:
         _fail(e)

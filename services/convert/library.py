@@ -21,7 +21,7 @@ from services.convert.formats.base import CheckpointFormat
 from services.convert.gguf.checkpoint import open_gguf_checkpoint
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
-from services.convert.spec import ConversionSpec, Fp8Scheme, Method, conversion_spec
+from services.convert.spec import ConversionSpec, Fp8Scheme, HeadQuant, Method, conversion_spec
 from services.convert.spec import disabled_kernels as effective_disabled_kernels
 from services.settings import ServiceSettings, get_settings
 from services.storage import open_source, open_store
@@ -58,6 +58,7 @@ class ConversionRequest:
     out: str = ""  # empty: ServiceSettings.resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
     expert_parallel: bool = False
+    quantize_head: HeadQuant | None = None
 
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
@@ -67,6 +68,7 @@ class ConversionRequest:
             "fp8_scheme": self.fp8_scheme,
             "disabled_kernels": list(self.disabled_kernels),
             "expert_parallel": self.expert_parallel,
+            "quantize_head": self.quantize_head,
         }
         return conversion_spec(
             source=self.source, targets=self.targets, method=self.method, tp=self.tp, options=options
@@ -78,7 +80,7 @@ class ConversionRequest:
         o = spec.options
         return cls(
             spec.source, list(spec.targets), spec.method, spec.tp, o.fp8_scheme, out,
-            tuple(o.disabled_kernels), o.expert_parallel,
+            tuple(o.disabled_kernels), o.expert_parallel, o.quantize_head,
         )  # fmt: skip
 
 
@@ -116,10 +118,15 @@ def plan(
     fp8_scheme: Fp8Scheme = "tensor",
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
+    quantize_head: HeadQuant | None = None,
     settings: ServiceSettings | None = None,
 ) -> Plan:
     """The plan of one target (a convenience over `plan_targets`)."""
-    options = {"fp8_scheme": fp8_scheme, "disabled_kernels": list(disabled_kernels)}
+    options = {
+        "fp8_scheme": fp8_scheme,
+        "disabled_kernels": list(disabled_kernels),
+        "quantize_head": quantize_head,
+    }
     spec = conversion_spec(
         source=source,
         targets=parse_targets([target]),
@@ -152,6 +159,7 @@ def _build_plan(
         fp8_scheme=o.fp8_scheme,
         disabled_kernels=effective_disabled_kernels(o.disabled_kernels, settings.disabled_kernels),
         expert_parallel=o.expert_parallel,
+        quantize_head=o.quantize_head,
     )
 
 

@@ -15,13 +15,13 @@ from typing import Any
 
 from kernels.base import Target
 from kernels.errors import UnsupportedError
-from runtime.model_layout import ModelConfig
+from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat
 from services.convert.limits import check_pattern_work
 from services.convert.safetensors_io import DTYPES
-from services.convert.spec import FP8_SCHEMES, METHODS
+from services.convert.spec import FP8_SCHEMES, HEAD_QUANTS, METHODS
 from services.convert.units import UNIT_KINDS, PlanUnit
 from services.convert.units.base import HEADER_ENTRY_BYTES, PlanContext, PlanRow
 
@@ -56,6 +56,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     expert_parallel: bool = False
     other_bytes: int = 0  # the other tensors as one rank file stores them
+    quantize_head: str | None = None  # --quantize-head
 
     def rank_bytes(self) -> list[int]:
         """Tensor bytes of each rank file, from the kernels' declared layouts (optional tensors, such as
@@ -80,6 +81,8 @@ class Plan:
         options: dict[str, Any] = {"fp8_scheme": self.fp8_scheme} if self.method == "fp8" else {}
         if self.expert_parallel:
             options["expert_parallel"] = True
+        if self.quantize_head:
+            options["quantize_head"] = self.quantize_head
         return options
 
     def layout_versions(self) -> dict[str, int]:
@@ -137,18 +140,21 @@ def build_plan(
     fp8_scheme: str = "tensor",
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
+    quantize_head: str | None = None,
 ) -> Plan:
     _check_options(ckpt, fmt, tp, method, fp8_scheme)
     model = ModelConfig.from_hf(ckpt.config)
     act_dtype = act_dtype_for(model, target)
     has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
+    _check_head_quant(quantize_head, target, model, has_lm_head)
     ctx = PlanContext(
         ckpt, fmt, target, model, tp, method, fp8_scheme, act_dtype, disabled_kernels, expert_parallel,
-        has_lm_head,
+        has_lm_head, quantize_head,
     )  # fmt: skip
     check_pattern_work(fmt.name, fmt.pattern_count, sum(kind.module_count(ctx) for kind in UNIT_KINDS))
     units = [unit for kind in UNIT_KINDS for unit in kind.plan(ctx)]
-    consumed = {name for unit in units for name in unit.source_tensors}
+    # A quantized tied head reads the embedding, which is still stored as it is for the lookup.
+    consumed = {name for unit in units for name in unit.source_tensors} - {EMBEDDING_TENSOR}
     others, dropped, skipped = _other_tensors(ckpt, model, consumed)
     notes = list(fmt.notes)
     if skipped:
@@ -165,14 +171,38 @@ def build_plan(
         )
     if tp > 1:
         notes.append("embeddings, norms and lm_head are replicated on every rank (vocabulary not sharded)")
-    if model.tie_word_embeddings and not has_lm_head:
-        notes.append("tied embeddings: lm_head reuses model.embed_tokens.weight")
+    if model.tie_word_embeddings and not has_lm_head and not quantize_head:
+        notes.append(f"tied embeddings: lm_head reuses {EMBEDDING_TENSOR}")
+    if quantize_head:
+        tied = f" from the tied {EMBEDDING_TENSOR} (kept 16-bit for the lookup)" if not has_lm_head else ""
+        notes.append(f"--quantize-head {quantize_head}: lm_head quantized online{tied}")
     return Plan(
         source=ckpt.uri, format=fmt.name, quantization=fmt.quantization, target=target, tp=tp,
         method=method, fp8_scheme=fp8_scheme, act_dtype=act_dtype, model=model, units=units,
         other_tensors=others, notes=notes, expert_parallel=expert_parallel,
-        other_bytes=other_tensor_bytes(ckpt, others, act_dtype),
+        other_bytes=other_tensor_bytes(ckpt, others, act_dtype), quantize_head=quantize_head,
     )  # fmt: skip
+
+
+EMBEDDING_TENSOR = f"{EMBEDDING_MODULE}.weight"
+
+
+def _check_head_quant(
+    quantize_head: str | None, target: Target, model: ModelConfig, has_lm_head: bool
+) -> None:
+    if quantize_head is None:
+        return
+    if quantize_head not in HEAD_QUANTS:
+        raise UnsupportedError(
+            f"--quantize-head {quantize_head!r} is not supported; use {', '.join(HEAD_QUANTS)}"
+        )
+    if target is not Target.CPU:
+        raise UnsupportedError(
+            f"--quantize-head is for the cpu target (its cpu_int8 kernel); {target.value} keeps lm_head "
+            "in the checkpoint's precision, as vLLM does: convert without --quantize-head for GPU targets"
+        )
+    if not has_lm_head and not model.tie_word_embeddings:
+        raise UnsupportedError("--quantize-head: the checkpoint has no lm_head and does not tie embeddings")
 
 
 def _check_options(ckpt: Checkpoint, fmt: CheckpointFormat, tp: int, method: str, fp8_scheme: str) -> None:

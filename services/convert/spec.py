@@ -9,15 +9,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    Strict,
+    StringConstraints,
+    ValidationError,
+    model_serializer,
+)
 
 from kernels.errors import UnsupportedError
 from kernels.targets import Target
 
 Method = Literal["auto", "fp8"]  # keep the checkpoint's quantization | quantize to FP8 online
 Fp8Scheme = Literal["tensor", "channel", "block"]  # online FP8 scales
+HeadQuant = Literal["int8"]  # --quantize-head: lm_head quantized online (cpu target)
 METHODS: tuple[str, ...] = get_args(Method)
 FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
+HEAD_QUANTS: tuple[str, ...] = get_args(HeadQuant)
 MAX_TARGETS = 6
 MAX_TP = 64
 MAX_DISABLED_KERNELS = 32
@@ -53,6 +65,19 @@ class ConversionOptions(BaseModel):
         description="Mixture-of-experts models: place whole experts on each of the `tp` ranks "
         "(expert parallel, `kiln convert --ep`) instead of splitting every expert",
     )
+    quantize_head: HeadQuant | None = Field(
+        default=None,
+        description="Quantize lm_head (a tied one from the embedding) online for the `cpu` target: "
+        "`int8` is symmetric channelwise, half the bytes a decode step reads for SmolLM2-sized models",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_head(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Job rows and request digests of conversions without --quantize-head stay as they were."""
+        data: dict[str, Any] = handler(self)
+        if data.get("quantize_head") is None:
+            data.pop("quantize_head", None)
+        return data
 
 
 class ConversionSpec(BaseModel):

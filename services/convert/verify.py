@@ -13,6 +13,7 @@ Bounds (named, documented):
   (`rounding_allowance`: a rounded scale then multiplies q or q - mid, as the layout has it).
 * FP8 from an FP8 checkpoint: exact unless the kernel requantizes fused per-tensor shards to one
   scale (vLLM's requantize_with_max_scale) or casts scales: max |diff| / max |w| <= FP8_REL_BOUND.
+* online int8 lm_head (--quantize-head int8): max |diff| / max |w| <= INT8_ONLINE_REL_BOUND.
 * online FP8 (from bf16/fp16): e4m3 round-to-nearest has relative error <= 2^-4 for normals and a
   negligible absolute error for subnormals, so max |diff| / max |w| <= FP8_REL_BOUND.
 * FP4 (NVFP4 / MXFP4): exact, except where marlin_fp4 stores a block scale as 0 as vLLM's Marlin FP4
@@ -46,6 +47,9 @@ INT_STEP_BOUND = 0.25
 SCALE_ROUNDING_REL = 2.0**-8  # a scale rounded to bf16 (2^-9 relative) with 2x slack
 MIN_ROUNDING_REL = 2.0**-8  # a float minimum rounded to bf16 (2^-9 relative) with 2x slack
 FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding slack
+# channelwise int8 (--quantize-head): half a step, max |row| / 254, plus the codes clamped at 127
+# under a scale rounded down to bf16 (2^-9 relative), with 2x slack
+INT8_ONLINE_REL_BOUND = 2.0**-7
 DENSE_CAST_REL_BOUND = 2.0**-8
 FP4_MARLIN_FLUSH_REL_BOUND = 2.0**-12  # 2^-13.8 (flushed block scales, see above) with slack
 _TINY = 1e-30
@@ -200,15 +204,18 @@ def compare(
     act_dtype: torch.dtype,
     *,
     online_fp8: bool = False,
+    online_int8: bool = False,
 ) -> LayerVerification:
     """The stored layer dequantized — an (N, K) tensor or its row blocks
     (`LinearKernel.dequantized_rows`) — against the source, one row block at a time (the
     temporaries stay a block's size, whatever the layer's)."""
     blocks = _blocks_of(got) if isinstance(got, torch.Tensor) else got
     if isinstance(source, DenseWeight):
-        bound = FP8_REL_BOUND if online_fp8 else DENSE_CAST_REL_BOUND
-        w = source.weight
-        return _compare_float_rows(blocks, lambda rows: w[rows], w.shape[0], bound, try_exact=not online_fp8)
+        bound = DENSE_CAST_REL_BOUND
+        if online_fp8 or online_int8:
+            bound = FP8_REL_BOUND if online_fp8 else INT8_ONLINE_REL_BOUND
+        w, exact = source.weight, not (online_fp8 or online_int8)
+        return _compare_float_rows(blocks, lambda rows: w[rows], w.shape[0], bound, try_exact=exact)
     if isinstance(source, IntWeight) and not online_fp8:
         return _compare_int_rows(blocks, source, act_dtype)
     ref = source.dequantize()

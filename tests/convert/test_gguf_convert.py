@@ -138,15 +138,19 @@ def test_a_gguf_is_found_by_file_or_directory(tmp_path: Path) -> None:
     assert plan(str(tmp_path / "second.gguf"), "cpu").format == "gguf"
 
 
-@pytest.mark.parametrize("method", ["auto", "fp8"])
-def test_smollm2_q4_1_gguf_answers_the_question(tmp_path: Path, method: str) -> None:
-    """As it is (Q4_1 on cpu_int4, its Q8_0 tied embedding dequantized to bf16) and re-quantized."""
+@pytest.mark.parametrize(("method", "head"), [("auto", None), ("fp8", None), ("auto", "int8")])
+def test_smollm2_q4_1_gguf_answers_the_question(tmp_path: Path, method: str, head: str | None) -> None:
+    """As it is (Q4_1 on cpu_int4, its Q8_0 tied embedding dequantized to bf16), re-quantized, and
+    with --quantize-head int8 (the head 8-bit as llama.cpp's: channelwise from the dequantized
+    embedding)."""
     try:
         gguf = smollm2.gguf_file()
     except smollm2.CheckpointUnavailable as e:
         pytest.skip(str(e))
-    [r] = convert(ConversionRequest(str(gguf), ["cpu"], method=method, out=str(tmp_path)))  # type: ignore[arg-type]
+    request = ConversionRequest(str(gguf), ["cpu"], method=method, out=str(tmp_path), quantize_head=head)  # type: ignore[arg-type]
+    [r] = convert(request)
     assert r.manifest.verification.ok
+    assert ("lm_head" in r.manifest.layers) == (head is not None)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in r.manifest.files}
     loaded = load_model(r.uri)
     tok = loaded.tokenizer

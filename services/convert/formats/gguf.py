@@ -95,7 +95,9 @@ class GgufFormat(CheckpointFormat):
     def decode(self, module: str, lq: LayerQuant, tensors: dict[str, torch.Tensor]) -> SourceWeight:
         name = f"{module}.weight"
         kind = self.gguf.ggml_types[name]
-        if lq.scheme == "dense" and kind not in FLOAT_TYPES:  # --method fp8: the exact fp32 values
+        # --method fp8: the exact fp32 values; a plain tensor (the embedding, as a tied head for
+        # --quantize-head) comes from the checkpoint already dequantized
+        if lq.scheme == "dense" and kind not in FLOAT_TYPES and tensors[name].dtype == torch.uint8:
             tensors = {
                 **tensors,
                 name: dequantize_gguf(tensors[name], kind, self.gguf.shapes[name][-1], name),

@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Protocol
 
 from kernels.base import DenseWeight, SourceWeight, StoredTensor, Target, weight_shape
 from kernels.codecs.fp8 import quantize_fp8
+from kernels.codecs.int8 import quantize_channelwise_int8
+from kernels.cpu_int8 import CpuInt8Kernel
 from kernels.errors import LayoutError
 from runtime.artifact.manifest import DerivedEntry, ExpertGroupEntry, LayerEntry, LayerVerification
 from runtime.model_layout import ModelConfig
@@ -64,6 +66,12 @@ class PlanContext:
     disabled: tuple[str, ...]
     expert_parallel: bool
     has_lm_head: bool
+    quantize_head: str | None = None  # --quantize-head
+
+    @property
+    def tied_head(self) -> bool:
+        """lm_head is planned as a layer of its own from the tied embedding (--quantize-head)."""
+        return self.quantize_head is not None and not self.has_lm_head
 
     @property
     def online_fp8(self) -> LayerQuant | None:
@@ -130,6 +138,12 @@ class UnitKind(Protocol):
         ...
 
 
+# --quantize-head NAME -> what lm_head becomes. int8: symmetric channelwise 8-bit, cpu_int8's layout,
+# with the scales it stores
+HEAD_QUANT_LAYERS: dict[str, LayerQuant] = {"int8": LayerQuant("int", bits=8, group_size=-1, symmetric=True)}
+HEAD_INT8_SCALE_DTYPE = CpuInt8Kernel.scale_dtype
+
+
 def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
     return LayerQuant(
         "fp8",
@@ -140,8 +154,13 @@ def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
 
 
 def quantize_online(w: SourceWeight, target_quant: LayerQuant) -> SourceWeight:
-    """A dense source weight quantized to the plan's online FP8 scheme (its bias kept)."""
+    """A dense source weight quantized to the plan's online scheme: FP8 (--method fp8), or
+    channelwise int8 (--quantize-head int8); its bias kept."""
     assert isinstance(w, DenseWeight)
+    if target_quant.scheme == "int":
+        q8 = quantize_channelwise_int8(w.weight, HEAD_INT8_SCALE_DTYPE)
+        q8.bias = w.bias
+        return q8
     strategy = target_quant.fp8_strategy or "tensor"
     q = quantize_fp8(w.weight, strategy, block_size=target_quant.block_size or ONLINE_FP8_BLOCK)
     q.bias = w.bias

@@ -33,10 +33,11 @@ from kernels.registry import choose_kernel
 from runtime.artifact.manifest import LayerEntry, LayerVerification, Rejection
 from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
 from services.convert.errors import VerificationError
-from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.heap import release_freed_heap
 from services.convert.tp import fuse, slice_cols, slice_rows
 from services.convert.units.base import (
+    HEAD_QUANT_LAYERS,
     HEADER_ENTRY_BYTES,
     MAX_TENSORS_PER_LAYER,
     PlanContext,
@@ -66,8 +67,13 @@ class LinearUnit:
     source_label: str = ""  # the source encoding when the scheme does not say it (a GGUF block type)
 
     @property
+    def online(self) -> bool:
+        """Quantized here from a dense source: --method fp8, or --quantize-head's int8 lm_head."""
+        return self.quant.scheme == "dense" and self.target_quant.scheme != "dense"
+
+    @property
     def online_fp8(self) -> bool:
-        return self.quant.scheme == "dense" and self.target_quant.scheme == "fp8"
+        return self.online and self.target_quant.scheme == "fp8"
 
     @property
     def name(self) -> str:
@@ -79,7 +85,7 @@ class LinearUnit:
             shards=[s.module for s in self.layout.shards],
             scheme=(f"{self.source_label} → " if self.source_label else "")
             + self.target_quant.describe()
-            + (" (online)" if self.online_fp8 else ""),
+            + (" (online)" if self.online else ""),
             kernel=self.kernel.name,
             fallback=self.fallback,
             rejections=list(self.rejected),
@@ -143,19 +149,23 @@ class LinearUnit:
     ) -> tuple[dict, LayerVerification]:
         """One rank's prepared tensors and their check against the source."""
         kernel, target = self.kernel, files.target
-        weight = quantize_online(reference, self.target_quant) if self.online_fp8 else reference
+        weight = quantize_online(reference, self.target_quant) if self.online else reference
         prepared = kernel.prepare(weight, spec, target)
         release_freed_heap()  # the layout prep's temporaries, before verification's
         try:
             check_stored(kernel.name, spec, kernel.stored_tensors(spec, target), prepared)
         except LayoutError as e:
             raise undeclared_tensors(kernel.name, "prepare", e) from e
-        if kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not self.online_fp8:
+        if kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not self.online:
             return prepared, compare_dense_stored(prepared["weight"], reference)
         act = spec.torch_act_dtype
         stored = kernel.stored_int_weight(prepared, spec) if isinstance(reference, IntWeight) else None
         check = compare_int_stored(stored, reference, act) or compare(
-            kernel.dequantized_rows(prepared, spec), reference, act, online_fp8=self.online_fp8
+            kernel.dequantized_rows(prepared, spec),
+            reference,
+            act,
+            online_fp8=self.online_fp8,
+            online_int8=self.online and self.target_quant.scheme == "int",
         )
         return prepared, check
 
@@ -164,20 +174,24 @@ class LinearKind:
     """Plans every linear layer the model config has (lm_head when the checkpoint stores one)."""
 
     def module_count(self, ctx: PlanContext) -> int:
-        return sum(len(layout.shards) for layout in linear_layouts(ctx.model, ctx.has_lm_head))
+        layouts = linear_layouts(ctx.model, ctx.has_lm_head, ctx.tied_head)
+        return sum(len(layout.shards) for layout in layouts)
 
     def plan(self, ctx: PlanContext) -> list[LinearUnit]:
-        return [plan_linear(ctx, layout) for layout in linear_layouts(ctx.model, ctx.has_lm_head)]
+        layouts = linear_layouts(ctx.model, ctx.has_lm_head, ctx.tied_head)
+        return [plan_linear(ctx, layout) for layout in layouts]
 
     def notes(self, ctx: PlanContext) -> list[str]:
         return []
 
 
 def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
-    quant = _agree(ctx.fmt, layout)
-    online = ctx.online_fp8
-    # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them
-    keep = online is None or layout.full_precision or quant.scheme != "dense"
+    head = HEAD_QUANT_LAYERS.get(ctx.quantize_head or "") if layout.name == "lm_head" else None
+    quant = _head_source_quant(ctx, layout) if head else _agree(ctx.fmt, layout)
+    online = head or ctx.online_fp8
+    # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them (unless
+    # --quantize-head asks for the head)
+    keep = online is None or (layout.full_precision and not head) or quant.scheme != "dense"
     target_quant = quant if keep else online
     assert target_quant is not None
     sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
@@ -196,6 +210,21 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
         layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
         " + ".join(label for label in labels if label),
     )  # fmt: skip
+
+
+def _head_source_quant(ctx: PlanContext, layout: LinearLayout) -> LayerQuant:
+    """The source quantization of the head --quantize-head quantizes: it must be 16- or 32-bit."""
+    (shard,) = layout.shards
+    stored = ctx.fmt.layer_quant(shard.module, layout) if ctx.has_lm_head else DENSE
+    name = f"{shard.module}.weight"
+    info = ctx.ckpt.tensors.get(name)
+    if stored.scheme != "dense" or info is None or info.dtype not in ("BF16", "F16", "F32"):
+        what = stored.describe() if stored.scheme != "dense" else (info.dtype if info else "missing")
+        raise UnsupportedError(
+            f"--quantize-head needs lm_head (or the tied embedding {name}) stored 16- or 32-bit; this "
+            f"checkpoint's is {what}: convert without --quantize-head"
+        )
+    return DENSE
 
 
 def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:
