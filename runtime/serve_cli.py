@@ -249,6 +249,7 @@ def _serve_http(
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
     lost_rank: list[str] = []
+    end_watch = _no_watch
     if followers:
 
         def on_rank_death(reason: str) -> None:
@@ -257,14 +258,19 @@ def _serve_http(
             async_engine.fail(reason)
             server.should_exit = True
 
-        watch_followers(followers, on_rank_death)
+        end_watch = watch_followers(followers, on_rank_death)
     try:
         started = run_beside_engine(server, async_engine)
     finally:
+        end_watch()  # from here on a follower that exits was told to
         if followers:
             assert isinstance(ranks.engine, LeaderEngine)
             stop_followers(ranks.engine if not lost_rank else None, followers, ranks.rendezvous)
     return started and not lost_rank
+
+
+def _no_watch() -> None:
+    return None
 
 
 def tp_size(path: Path, tp: int | None) -> int:

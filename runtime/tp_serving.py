@@ -211,20 +211,30 @@ def start_followers(spec: RankSpec) -> list[SpawnProcess]:
     return procs
 
 
-def watch_followers(procs: list[SpawnProcess], on_death: Callable[[str], None]) -> threading.Thread:
-    """Call `on_death(reason)` once if a follower exits while rank 0 still serves."""
+def watch_followers(procs: list[SpawnProcess], on_death: Callable[[str], None]) -> Callable[[], None]:
+    """Call `on_death(reason)` once if a follower exits while rank 0 still serves. Returns the call
+    that ends the watch; make it before stopping the followers on purpose (a follower that exits when
+    told to is not a death: seen as exit code 1 for a clean shutdown in one CI run). Once it returns,
+    `on_death` has either finished or will never run."""
+    ended = threading.Event()
+    lock = threading.Lock()
 
     def watch() -> None:
-        while True:
-            for p in procs:
-                if not p.is_alive():
-                    on_death(f"tensor-parallel {p.name} exited with code {p.exitcode}")
-                    return
-            time.sleep(0.5)
+        while not ended.wait(0.5):
+            dead = next((p for p in procs if not p.is_alive()), None)
+            if dead is None:
+                continue
+            with lock:
+                if not ended.is_set():
+                    on_death(f"tensor-parallel {dead.name} exited with code {dead.exitcode}")
+            return
 
-    thread = threading.Thread(target=watch, name="kiln-rank-watch", daemon=True)
-    thread.start()
-    return thread
+    def end() -> None:
+        with lock:
+            ended.set()
+
+    threading.Thread(target=watch, name="kiln-rank-watch", daemon=True).start()
+    return end
 
 
 def stop_followers(

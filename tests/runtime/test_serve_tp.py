@@ -106,3 +106,31 @@ def test_a_rank_that_dies_stops_the_server_with_an_error(
         assert proc.wait(timeout=60) == 1
     text = log.read_text()
     assert "tensor-parallel kiln-rank1 exited with code -9" in text and "Traceback" not in text
+
+
+def test_the_rank_watch_reports_a_follower_that_dies_but_not_one_told_to_stop() -> None:
+    """A clean shutdown tells the followers to stop and they exit 0: the watch, ended first, must not
+    call that a death (it did once in CI, turning `kiln serve`'s exit code into 1)."""
+    import multiprocessing as mp
+    import time
+
+    from runtime.tp_serving import watch_followers
+
+    ctx = mp.get_context("spawn")
+    deaths: list[str] = []
+    told = ctx.Process(target=time.sleep, args=(1.0,), name="kiln-rank1")  # exits 0 when "told"
+    told.start()
+    end = watch_followers([told], deaths.append)
+    end()  # what serve does before it stops the followers
+    told.join(timeout=30)
+    time.sleep(1.2)  # more than two polls of the watch
+    assert deaths == []
+
+    died = ctx.Process(target=time.sleep, args=(0.2,), name="kiln-rank1")
+    died.start()
+    watch_followers([died], deaths.append)
+    died.join(timeout=30)
+    deadline = time.monotonic() + 10
+    while not deaths and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert deaths == ["tensor-parallel kiln-rank1 exited with code 0"]
