@@ -68,7 +68,8 @@ class ConversionOptions(BaseModel):
     quantize_head: HeadQuant | None = Field(
         default=None,
         description="Quantize lm_head (a tied one from the embedding) online for the `cpu` target: "
-        "`int8` is symmetric channelwise, half the bytes a decode step reads for SmolLM2-sized models",
+        "`int8` is symmetric channelwise: half the bytes of a 16-bit head, which is about half of what a "
+        "decode step reads for SmolLM2-sized models",
     )
 
     @model_serializer(mode="wrap")
