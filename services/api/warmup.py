@@ -42,11 +42,12 @@ def warm_up(settings: ServiceSettings, dispatcher: Dispatcher) -> None:
 
 def _open_database_connections(settings: ServiceSettings, count: int) -> None:
     admin = repo.Viewer(token_id=None, is_admin=True)
-    for autocommit in (True, False):
-        sessions = [session_factory(settings, autocommit=autocommit)() for _ in range(count)]
-        try:
-            for session in sessions:  # each holds its connection: `count` distinct ones
-                repo.get_job_for(session, _NO_JOB, admin)
-        finally:
-            for session in sessions:
-                session.close()
+    # Reads and autocommit writes (a submission) run on autocommit sessions; both kinds of session
+    # share the engine's pool, so these are the connections every request checks out.
+    sessions = [session_factory(settings, autocommit=True)() for _ in range(count)]
+    try:
+        for session in sessions:  # each holds its connection: `count` distinct ones
+            repo.get_job_for(session, _NO_JOB, admin)
+    finally:
+        for session in sessions:
+            session.close()

@@ -50,6 +50,7 @@ FP8_REL_BOUND = 0.07  # 2^-4 (half an e4m3 ulp, relative) plus scale rounding sl
 # channelwise int8 (--quantize-head): half a step, max |row| / 254, plus the codes clamped at 127
 # under a scale rounded down to bf16 (2^-9 relative), with 2x slack
 INT8_ONLINE_REL_BOUND = 2.0**-7
+ONLINE_REL_BOUNDS = {"fp8": FP8_REL_BOUND, "int": INT8_ONLINE_REL_BOUND}  # by the scheme quantized to
 DENSE_CAST_REL_BOUND = 2.0**-8
 FP4_MARLIN_FLUSH_REL_BOUND = 2.0**-12  # 2^-13.8 (flushed block scales, see above) with slack
 _TINY = 1e-30
@@ -203,19 +204,19 @@ def compare(
     source: SourceWeight,
     act_dtype: torch.dtype,
     *,
-    online_fp8: bool = False,
-    online_int8: bool = False,
+    online: str | None = None,
 ) -> LayerVerification:
     """The stored layer dequantized — an (N, K) tensor or its row blocks
     (`LinearKernel.dequantized_rows`) — against the source, one row block at a time (the
-    temporaries stay a block's size, whatever the layer's)."""
+    temporaries stay a block's size, whatever the layer's). `online`: the scheme the converter
+    quantized a dense source to ("fp8" for --method fp8, "int" for --quantize-head), whose rounding
+    ONLINE_REL_BOUNDS allows."""
     blocks = _blocks_of(got) if isinstance(got, torch.Tensor) else got
     if isinstance(source, DenseWeight):
-        bound = DENSE_CAST_REL_BOUND
-        if online_fp8 or online_int8:
-            bound = FP8_REL_BOUND if online_fp8 else INT8_ONLINE_REL_BOUND
-        w, exact = source.weight, not (online_fp8 or online_int8)
-        return _compare_float_rows(blocks, lambda rows: w[rows], w.shape[0], bound, try_exact=exact)
+        bound = DENSE_CAST_REL_BOUND if online is None else ONLINE_REL_BOUNDS[online]
+        w = source.weight
+        return _compare_float_rows(blocks, lambda rows: w[rows], w.shape[0], bound, try_exact=online is None)
+    online_fp8 = online == "fp8"
     if isinstance(source, IntWeight) and not online_fp8:
         return _compare_int_rows(blocks, source, act_dtype)
     ref = source.dequantize()

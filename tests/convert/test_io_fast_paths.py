@@ -131,8 +131,8 @@ def test_dense_verification_catches_one_wrong_value() -> None:
     nan = w.clone()
     nan[0, 0] = float("nan")
     assert not compare_dense_stored(nan.clone(), DenseWeight(nan)).ok  # a NaN never passes a comparison
-    assert not compare(_one_off(w.float(), 1.0), src, torch.bfloat16, online_fp8=True).ok
-    assert compare(w.float(), src, torch.bfloat16, online_fp8=True).value <= FP8_REL_BOUND
+    assert not compare(_one_off(w.float(), 1.0), src, torch.bfloat16, online="fp8").ok
+    assert compare(w.float(), src, torch.bfloat16, online="fp8").value <= FP8_REL_BOUND
 
 
 @pytest.mark.parametrize("block_elements", [1, 1 << 22], ids=["64-row blocks", "one block"])

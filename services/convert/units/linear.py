@@ -72,10 +72,6 @@ class LinearUnit:
         return self.quant.scheme == "dense" and self.target_quant.scheme != "dense"
 
     @property
-    def online_fp8(self) -> bool:
-        return self.online and self.target_quant.scheme == "fp8"
-
-    @property
     def name(self) -> str:
         return self.layout.name
 
@@ -164,8 +160,7 @@ class LinearUnit:
             kernel.dequantized_rows(prepared, spec),
             reference,
             act,
-            online_fp8=self.online_fp8,
-            online_int8=self.online and self.target_quant.scheme == "int",
+            online=self.target_quant.scheme if self.online else None,
         )
         return prepared, check
 
