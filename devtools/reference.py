@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-ROUTER_MODULE_SUFFIXES = (".mlp.gate", ".block_sparse_moe.gate")
+ROUTER_MODULE_SUFFIXES = (".mlp.gate", ".block_sparse_moe.gate", ".mlp.router")  # gpt-oss: router
 
 
 # DeepSeek-V3 chooses on sigmoid scores (slope at most 1/4): a logit perturbation d moves a score

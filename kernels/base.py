@@ -403,6 +403,9 @@ class LinearKernel(ABC):
     # Activation dtype its fast CPU path takes (torch's int4 / int8 ops are vectorized for bf16 only);
     # the loader runs a CPU model in bf16 when every layer's kernel prefers it.
     cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
+    # (H, I) multiples vLLM pads gpt-oss's experts to for this layout (its
+    # mxfp4_round_up_hidden_size_and_intermediate_size); None: not padded
+    gpt_oss_expert_padding: ClassVar[tuple[int, int] | None] = None
     # The vLLM kernel that runs this layout's stored bytes as they are (vLLM's plugin calls it on a
     # GPU instead of Kiln's); "" when vLLM has none.
     vllm_kernel: ClassVar[str] = ""

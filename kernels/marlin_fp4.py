@@ -83,6 +83,7 @@ class MarlinFp4Kernel(DecodedLayoutKernel):
     targets: ClassVar[frozenset[Target]] = gpu_targets(80)
     elsewhere: ClassVar[str] = "cpu uses cpu_fp4"
     description: ClassVar[str] = "NVFP4 / MXFP4 weight-only (W4A16) on the Marlin FP4 layout, Triton GEMM"
+    gpt_oss_expert_padding: ClassVar[tuple[int, int] | None] = (256, 128)  # vLLM's MARLIN backend
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if reason := act_dtype_reason(spec.act_dtype, self.name, target):

@@ -10,9 +10,13 @@ expert group is byte for byte vLLM's `gptq_marlin_moe_repack` (`gptq_marlin_repa
 Offline (converter): `prepare_expert(w13, w2, spec, target)` turns one expert's canonical weights into
 its slices; the converter writes them into the stacked tensors expert by expert (bounded memory).
 Runtime: `apply(x, topk_ids, topk_weights, tensors, spec)` runs the whole expert MLP of the layer —
-for every token, sum over its k experts of weight * down(silu(gate(x)) * up(x)) — and returns
-(T, H). Expert ids are global; a rank holding experts [first_expert, first_expert + num_experts)
-(expert parallel) adds only theirs (the runtime all-reduces across ranks).
+for every token, sum over its k experts of weight * down(act(w13 x)) — and returns (T, H). `act` is
+`spec.activation`: silu(gate) * up by default; gpt-oss's clamped "swigluoai" reads gate|up rows
+interleaved (gate even, up odd: w13 is stored so, as vLLM stores it); expert biases, when the
+layer has them, are added after each GEMM. A layout may pad H and I with zeros (`MoEKernel.padded`):
+`apply` then pads the activations and cuts the output back. Expert ids are global; a rank holding
+experts [first_expert, first_expert + num_experts) (expert parallel) adds only theirs (the runtime
+all-reduces across ranks).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ import torch.nn.functional as F
 from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor, stored_act_dtypes
 from kernels.targets import Target
 
+SILU = "silu"  # silu(gate) * up; w13 rows: gate then up
+# gpt-oss: w13 rows interleaved (gate even, up odd); gate clamped above and up on both sides at the
+# spec's `swiglu_limit`, then (up + 1) * gate * sigmoid(SWIGLU_OAI_ALPHA * gate)
+SWIGLU_OAI = "swigluoai"
+EXPERT_ACTIVATIONS = (SILU, SWIGLU_OAI)
+SWIGLU_OAI_ALPHA = 1.702
 MoEApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # twin(e, rows, weights): local expert e's output for the (R, H) rows routed to it, times their
 # routing weights (R, 1) fp32 -> (R, H) fp32
@@ -48,19 +58,57 @@ class MoESpec:
     w2: LinearSpec
     first_expert: int = 0  # global id of this rank's first expert (expert parallel)
     total_experts: int = 0  # experts of the whole layer (0: num_experts)
+    activation: str = SILU  # EXPERT_ACTIVATIONS
+    swiglu_limit: float = 0.0  # SWIGLU_OAI's clamp
+    # Zero padding the layout adds (MoEKernel.padded): H -> w13.k = H + hidden_pad (the activations
+    # are padded to it, the output cut back), I -> w2.k = I + intermediate_pad per rank
+    hidden_pad: int = 0
+    intermediate_pad: int = 0
 
     def __post_init__(self) -> None:
         if self.total_experts == 0:
             object.__setattr__(self, "total_experts", self.num_experts)
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"{self.name}: expert activation {self.activation!r}, not one of {EXPERT_ACTIVATIONS}"
+            )
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of (T, 2I) w13 outputs (biases added) -> (T, I) fp32."""
+        if self.activation == SILU:
+            return swiglu(gate_up)
+        return swiglu_oai(gate_up, self.swiglu_limit)
 
     @property
     def hidden(self) -> int:
+        """The stored hidden size (padded when the layout pads it)."""
         return self.w13.k
 
     @property
     def intermediate(self) -> int:
-        """This rank's intermediate size per expert."""
+        """This rank's stored intermediate size per expert (padded when the layout pads it)."""
         return self.w2.k
+
+    @property
+    def model_hidden(self) -> int:
+        """The model's hidden size: what `apply` takes and returns."""
+        return self.w13.k - self.hidden_pad
+
+    @property
+    def model_intermediate(self) -> int:
+        return self.w2.k - self.intermediate_pad
+
+    def with_padding(self, hidden_multiple: int, intermediate_multiple: int) -> MoESpec:
+        """The spec with H and this rank's I rounded up to the multiples (zero rows and columns)."""
+        h, i = self.model_hidden, self.model_intermediate
+        hp = -(-h // hidden_multiple) * hidden_multiple
+        ip = -(-i // intermediate_multiple) * intermediate_multiple
+        if (hp, ip) == (self.hidden, self.intermediate):
+            return self
+        gate, up = (dataclasses.replace(shard, size=ip) for shard in self.w13.shards)
+        w13 = dataclasses.replace(self.w13, n=2 * ip, k=hp, k_full=hp, shards=(gate, up))
+        w2 = dataclasses.replace(self.w2, n=hp, k=ip, k_full=self.w2.k_full // i * ip)
+        return dataclasses.replace(self, w13=w13, w2=w2, hidden_pad=hp - h, intermediate_pad=ip - i)
 
     def part(self, prefix: str) -> LinearSpec:
         return self.w13 if prefix == W13 else self.w2
@@ -68,6 +116,10 @@ class MoESpec:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["w13"], d["w2"] = self.w13.to_json(), self.w2.to_json()
+        if self.activation == SILU:  # the defaults: manifests from before the fields read the same
+            del d["activation"], d["swiglu_limit"]
+        if not self.hidden_pad and not self.intermediate_pad:
+            del d["hidden_pad"], d["intermediate_pad"]
         return d
 
     @classmethod
@@ -81,6 +133,13 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for (T, 2I) gate|up rows, computed in fp32."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu_oai(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of (T, 2I) interleaved gate/up rows, computed in fp32."""
+    h = gate_up.float()
+    gate, up = h[..., 0::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
 class MoEKernel(ABC):
@@ -115,6 +174,11 @@ class MoEKernel(ABC):
 
     def supports(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
         return True, ""
+
+    def padded(self, spec: MoESpec) -> MoESpec:
+        """The spec this kernel stores the group as: `spec` itself unless its layout pads H and I
+        (`MoESpec.with_padding`); the converter plans and writes with it."""
+        return spec
 
     @abstractmethod
     def stored_tensors(self, spec: MoESpec, target: Target) -> dict[str, StoredTensor]:
@@ -189,7 +253,7 @@ class MoEKernel(ABC):
             h = rows.float() @ w13.T
             if b13 is not None:
                 h = h + b13[e].float()
-            y = swiglu(h) @ w2.T
+            y = spec.act(h) @ w2.T
             if b2 is not None:
                 y = y + b2[e].float()
             return y * weights
@@ -201,10 +265,11 @@ def routed_sum(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec, twin: ExpertTwin
 ) -> torch.Tensor:
     """x (T, H) -> (T, H) in x's dtype: for every token, the fp32 sum of `twin` over its local experts."""
+    x = F.pad(x, (0, spec.hidden_pad)) if spec.hidden_pad else x
     out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float32, device=x.device)
     for e, token, slot in routed_experts(topk_ids, spec):
         out.index_add_(0, token, twin(e, x[token], topk_weights[token, slot].float()[:, None]))
-    return out.to(x.dtype)
+    return out[:, : spec.model_hidden].to(x.dtype)
 
 
 def routed_experts(topk_ids: torch.Tensor, spec: MoESpec) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -192,7 +192,8 @@ class Engine:
         self.model_name = loaded.manifest.artifact_id
         cfg = loaded.config
         limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # full attention equals sliding-window attention up to the window
+        if cfg.sliding_window and cfg.window_layers is None:  # every layer windowed: full attention is
+            # the same up to the window (layers windowed one by one mask it themselves)
             limit = min(limit, cfg.sliding_window)
         self.max_model_len = min(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         self.max_num_seqs = max_num_seqs

@@ -261,14 +261,18 @@ def bind_expert_groups(
     groups: dict[str, CheckedExpertGroup],
     used: set[str],
     to_device: Callable[[torch.Tensor], torch.Tensor],
+    rank: int = 0,
 ) -> None:
-    """Bind every MoE layer's expert group (checked by `checked_expert_groups`)."""
+    """Bind every MoE layer's expert group (checked by `checked_expert_groups`). Under TP (experts
+    split along I) each rank's down projections give a partial sum: their bias (gpt-oss) is added on
+    rank 0 only, as for any row-parallel layer."""
     modules = model.expert_groups()
     for group in groups.values():
         used.update(f"{group.name}.{suffix}" for suffix in group.tensors)
-        modules[group.name].bind(
-            group.kernel, group.spec, {suffix: to_device(t) for suffix, t in group.tensors.items()}
-        )
+        bound = {suffix: to_device(t) for suffix, t in group.tensors.items()}
+        if group.spec.w2.row_parallel and rank != 0:
+            bound.pop("w2.bias", None)
+        modules[group.name].bind(group.kernel, group.spec, bound)
 
 
 def check_dense_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -375,11 +379,15 @@ def _bind_dense(
     residual dtype; the rest kept as stored), and the lm_head weight when it is not a linear layer of
     the manifest."""
     tensors, cfg = opened.tensors, opened.config
+    per_head = model.per_head_parameter_names()
     for hf_name, (module, attr) in model.hf_parameter_names().items():
         if hf_name not in tensors:
             raise LoadError(f"tensor {hf_name} is missing from rank {opened.rank}'s files")
-        check_dense_tensor(hf_name, tensors[hf_name], tuple(getattr(module, attr).shape))
-        t = to_device(tensors[hf_name])
+        t = tensors[hf_name]
+        if hf_name in per_head and opened.world_size > 1 and t.shape[0] == cfg.num_heads:
+            t = t.chunk(opened.world_size)[opened.rank]  # this rank's attention heads
+        check_dense_tensor(hf_name, t, tuple(getattr(module, attr).shape))
+        t = to_device(t)
         if isinstance(module, RMSNorm) and t.dtype != norm_dtype:
             t = t.to(norm_dtype)
         _set_param(module, attr, t)
@@ -459,7 +467,7 @@ def load_model(
 
     used: set[str] = set()
     _bind_linears(model, opened, used, to_device)
-    bind_expert_groups(model, opened.expert_groups, used, to_device)
+    bind_expert_groups(model, opened.expert_groups, used, to_device, opened.rank)
     _bind_dense(model, opened, residual_dtype(dtype, device), used, to_device)
     _bind_derived(model, opened, used, to_device)
     unused = sorted(set(tensors) - used)

@@ -1,7 +1,9 @@
 """The model: the Llama family (Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings),
 Qwen3 (per-head q/k RMSNorm)), the mixture-of-experts Qwen2-MoE (with its gated shared expert),
-Qwen3-MoE and Mixtral (`SparseMoeBlock`), and DeepSeek-V2/V3 (multi-head latent attention,
-runtime/mla.py; grouped routing, `route`; shared experts).
+Qwen3-MoE and Mixtral (`SparseMoeBlock`), DeepSeek-V2/V3 (multi-head latent attention,
+runtime/mla.py; grouped routing, `route`; shared experts) and gpt-oss (attention sinks and a sliding
+window on every other layer, `sink_attention`; biased experts with their own activation, run by the
+expert-group kernel).
 
 Every linear layer is a `KernelLinear`: the kernel named in the manifest plus the tensors it
 prepared, resolved once at load, so the hot path is `kernel.apply(x, tensors, spec)` with no
@@ -12,8 +14,9 @@ Tensor parallel (Megatron): qkv_proj / gate_up_proj column-parallel (this rank's
 intermediate slice), attention and SwiGLU local, o_proj / down_proj row-parallel followed by an
 all-reduce; embeddings, norms and lm_head replicated.
 
-Attention is full (no sliding window): the engine caps the context at a model's sliding_window,
-within which both are identical.
+Attention is full where a model's sliding window covers every layer (Mistral): the engine caps the
+context at the window, within which both are identical. Where the window applies to some layers only
+(gpt-oss), those layers mask the keys older than it.
 
 Shapes: the model runs on (B, T) token ids; prefill is one sequence (B=1) from position 0,
 decode is B sequences with one token each at their own positions.
@@ -82,6 +85,32 @@ def residual_dtype(act_dtype: torch.dtype, device: torch.device | str) -> torch.
 # ------------------------------------------------------------------------------------------------
 
 
+def attention_mask(
+    query_positions: torch.Tensor, keys: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """(Q, keys) bool: key s visible from a query at position p when s <= p (and p - s < window)."""
+    s = torch.arange(keys, device=device)[None, :]
+    p = query_positions[:, None]
+    visible = s <= p
+    return visible & (p - s < window) if window is not None else visible
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, visible: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention in fp32 with one learned logit per head in every row's denominator (gpt-oss's
+    sinks: the sink's probability is dropped, the row sums to less than 1). q (B, H, T, D), k / v
+    (B, KV, S, D), visible broadcastable to (B, H, T, S) or None -> (B, H, T, D) fp32."""
+    groups = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(groups, 1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return probs @ v.float().repeat_interleave(groups, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, layer_idx: int, world_size: int) -> None:
         super().__init__()
@@ -99,6 +128,11 @@ class Attention(nn.Module):
         # Qwen3: every q and k head RMS-normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.window(layer_idx)
+        # gpt-oss: one logit per head, kept as stored (bound from the artifact)
+        self.sinks: nn.Parameter | None = None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, t, _ = x.shape
@@ -117,7 +151,11 @@ class Attention(nn.Module):
             qk = qk.to(v.dtype)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+            if self.sinks is not None or self.window is not None:
+                visible = attention_mask(torch.arange(t, device=q.device), t, self.window, q.device)
+                out = self._masked(q, k, v, visible).to(v.dtype)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         else:  # one new token per sequence at its own position
             # q and k stay in the rope dtype: the cache write rounds k to the cache dtype, and the
             # attention runs in `attn_dtype` (fp32 on CPU, where torch's bf16 SDPA is 2.5-5x slower
@@ -128,14 +166,28 @@ class Attention(nn.Module):
             else:
                 cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read_as(self.layer_idx, ctx.read_slots, ctx.read_len, ctx.attn_dtype)
-            out = F.scaled_dot_product_attention(
-                q.to(keys.dtype), keys, values, attn_mask=ctx.mask, enable_gqa=True
-            ).to(v.dtype)
+            if self.sinks is not None or self.window is not None:
+                positions = ctx.positions if ctx.single is None else torch.tensor([ctx.single[1]])
+                assert positions is not None
+                visible = attention_mask(positions.to(keys.device), ctx.read_len, self.window, keys.device)
+                out = self._masked(q, keys, values, visible[:, None, None, :]).to(v.dtype)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q.to(keys.dtype), keys, values, attn_mask=ctx.mask, enable_gqa=True
+                ).to(v.dtype)
         if t == 1:  # (b, heads, 1, head_dim) is laid out as (b, 1, heads * head_dim) already
             out = out.reshape(b, 1, self.num_heads * head_dim)
         else:
             out = out.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
         return self.o_proj.forward(out)
+
+    def _masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the visible keys (a window, sinks): q (B, H, T, D), k / v (B, KV, S, D)."""
+        if self.sinks is not None:
+            return sink_attention(q, k, v, self.sinks, visible)
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=visible, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -302,14 +354,23 @@ class LlamaForCausalLM(nn.Module):
         return {m.name: m for m in self.modules() if isinstance(m, ExpertGroup)}
 
     def hf_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
-        """Embeddings, every norm and DeepSeek's router correction biases, by their HF names."""
+        """Embeddings, every norm, DeepSeek's router correction biases and gpt-oss's attention sinks,
+        by their HF names."""
         names: dict[str, tuple[nn.Module, str]] = {"model.embed_tokens.weight": (self.embed_tokens, "weight")}
         for path, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 names[f"model.{path}.weight"] = (module, "weight")
             elif isinstance(module, SparseMoeBlock) and module.e_score_correction_bias is not None:
                 names[f"model.{path}.gate.e_score_correction_bias"] = (module, "e_score_correction_bias")
+            elif isinstance(module, Attention) and module.sinks is not None:
+                names[f"model.{path}.sinks"] = (module, "sinks")
         return names
+
+    def per_head_parameter_names(self) -> set[str]:
+        """Of `hf_parameter_names`, those stored for every attention head (gpt-oss's sinks): a rank
+        binds its own heads' share."""
+        names = self.hf_parameter_names().items()
+        return {name for name, (module, _) in names if isinstance(module, Attention)}
 
     def derived_parameter_names(self) -> dict[str, tuple[nn.Module, str]]:
         """What the converter derives and stores beside the layers (MLA's absorbed W_UK_T / W_UV),

@@ -3,7 +3,9 @@
 One home for these facts, read by the converter (planning, TP slicing), the loader (checking an
 artifact before serving) and the model code. The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2),
 Qwen3 (per-head q/k RMSNorm), the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral, and
-DeepSeek-V2/V3 (multi-head latent attention, `MlaConfig`; grouped routing, `Routing`; shared experts).
+DeepSeek-V2/V3 (multi-head latent attention, `MlaConfig`; grouped routing, `Routing`; shared experts)
+and gpt-oss (attention sinks, sliding-window attention on every other layer, biased experts with a
+clamped SwiGLU over interleaved gate/up rows, `MoEConfig.activation`).
 
 Mixture-of-experts layers have a router (`mlp.gate` / `block_sparse_moe.gate`, a replicated linear
 layer of E outputs) and an expert group (`ExpertGroupLayout`): every expert's gate, up and down
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.errors import KilnError, UnsupportedError
+from kernels.moe_base import SILU, SWIGLU_OAI
 
 # vLLM layer class names (compressed-tensors targets may name a class, matched case-insensitively).
 CLASS_QKV = "QKVParallelLinear"
@@ -179,6 +182,16 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
     mla: MlaConfig | None = None  # DeepSeek: multi-head latent attention instead of q/k/v heads
     extra_layers: int = 0  # layers stored after the last decoder layer and not run (DeepSeek MTP)
+    # The layers `sliding_window` applies to: None, every layer (the engine caps the context at the
+    # window, within which full attention is the same); else only these, masked in attention (gpt-oss)
+    window_layers: frozenset[int] | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax's denominator
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window attention masks at `layer` (None: full attention, or capped by the engine)."""
+        if self.window_layers is None or layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.applies_to(layer)
@@ -217,8 +230,9 @@ class ModelConfig:
         max_positions = read.integer("max_position_embeddings", MAX_POSITIONS, lo=2, default=4096)
         theta, scaling = _rope(read)
         family = ARCHITECTURES[arch]
-        windowed = family.sliding_window or read.flag("use_sliding_window")
+        windowed = family.sliding_window or family.layer_types or read.flag("use_sliding_window")
         window = read.integer("sliding_window", MAX_POSITIONS, lo=2, default=0) if windowed else 0
+        window_layers = _window_layers(read, dims["num_layers"]) if family.layer_types and window else None
         moe = family.experts.parse(read, dims["num_layers"]) if family.experts is not None else None
         mla = MlaConfig.parse(read, interleaved_default=family.mla_interleaved) if family.mla else None
         if mla is not None:
@@ -240,7 +254,23 @@ class ModelConfig:
             moe=moe,
             mla=mla,
             extra_layers=read.integer("num_nextn_predict_layers", MAX_LAYERS, lo=0, default=0),
+            window_layers=window_layers,
+            attention_sinks=family.attention_sinks,
         )
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _window_layers(read: ConfigValues, num_layers: int) -> frozenset[int]:
+    """The layers `layer_types` marks "sliding_attention"; without it, the even ones (gpt-oss's
+    alternation, as transformers and vLLM default it)."""
+    types = read.cfg.get("layer_types")
+    if types is None:
+        return frozenset(range(0, num_layers, 2))
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise read.error("layer_types", types, f"must list {num_layers} of {' / '.join(LAYER_TYPES)}")
+    return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _rope(read: ConfigValues) -> tuple[float, dict[str, Any] | None]:
@@ -336,6 +366,10 @@ class Routing:
     scaling: float = 1.0
 
 
+SWIGLU_OAI_DEFAULT_LIMIT = 7.0  # gpt-oss configs without `swiglu_limit` (transformers' default)
+MAX_SWIGLU_LIMIT = 1e4
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """The expert layers of a mixture-of-experts model, from its config.json."""
@@ -350,6 +384,8 @@ class MoEConfig:
     # sigmoid(shared_expert_gate(x)) (a (1, H) linear) and added to the routed experts' sum
     shared_expert_intermediate: int = 0
     routing: Routing = Routing()
+    activation: str = SILU  # of the experts' gate|up (kernels.moe_base.EXPERT_ACTIVATIONS)
+    swiglu_limit: float = 0.0  # swigluoai: the clamp of gate (above) and up (both sides)
 
     def applies_to(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -474,6 +510,8 @@ class ExpertNaming:
     # DeepSeek's config keys (routing, n_shared_experts, first_k_dense_replace), with the topk_method
     # its transformers model uses when the config names none; None for other families
     deepseek_topk_method: str | None = None
+    router_name: str = "gate"  # the router's module inside the block (gpt-oss: "router")
+    activation: str = SILU  # kernels.moe_base.EXPERT_ACTIVATIONS; swigluoai reads `swiglu_limit`
 
     def parse(self, read: ConfigValues, num_layers: int) -> MoEConfig | None:
         key = next((k for k in self.num_experts_keys if read.cfg.get(k)), None)
@@ -514,11 +552,17 @@ class ExpertNaming:
             dense_layers=frozenset(i for i in dense if 0 <= i < num_layers),
             shared_expert_intermediate=shared,
             routing=routing,
+            activation=self.activation,
+            swiglu_limit=(
+                read.real("swiglu_limit", SWIGLU_OAI_DEFAULT_LIMIT, hi=MAX_SWIGLU_LIMIT)
+                if self.activation == SWIGLU_OAI
+                else 0.0
+            ),
         )
 
     def router(self, cfg: ModelConfig, layer: int) -> LinearLayout:
         assert cfg.moe is not None
-        name = f"model.layers.{layer}.{self.block}.gate"
+        name = f"model.layers.{layer}.{self.block}.{self.router_name}"
         shard = (ShardLayout(name, cfg.moe.num_experts),)
         return LinearLayout(
             name, shard, cfg.hidden_size, False, CLASS_REPLICATED, layer, replicated=True, full_precision=True
@@ -638,6 +682,8 @@ class Architecture:
     experts: ExpertNaming | None = None  # mixture-of-experts layers
     mla: bool = False  # multi-head latent attention (DeepSeek)
     mla_interleaved: bool = True  # MLA's rope pairs are interleaved unless `rope_interleave` says not
+    layer_types: bool = False  # the window applies to the layers `layer_types` names (gpt-oss)
+    attention_sinks: bool = False
 
     def attention_linears(self, cfg: ModelConfig, layer: int) -> list[LinearLayout]:
         return mla_attention_linears(cfg, layer) if self.mla else attention_linears(cfg, layer)
@@ -684,6 +730,17 @@ DEEPSEEK_V3_MOE = ExpertNaming(
     deepseek_topk_method="noaux_tc",
 )
 DEEPSEEK_V2_MOE = dataclasses.replace(DEEPSEEK_V3_MOE, deepseek_topk_method="greedy")
+# gpt-oss: the router (a biased linear) picks the top k logits and softmaxes over them (= softmax, top
+# k, renormalised); checkpoints stack the experts (services/convert/stacked_experts.py)
+GPT_OSS_MOE = ExpertNaming(
+    block="mlp",
+    parts=(("gate_proj", "up_proj", "down_proj"),),
+    num_experts_keys=("num_local_experts",),
+    intermediate_key="intermediate_size",
+    renormalize_key=None,
+    router_name="router",
+    activation=SWIGLU_OAI,
+)
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
@@ -696,6 +753,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MixtralForCausalLM", sliding_window=True, experts=MIXTRAL_MOE),
         Architecture("DeepseekV2ForCausalLM", experts=DEEPSEEK_V2_MOE, mla=True),
         Architecture("DeepseekV3ForCausalLM", experts=DEEPSEEK_V3_MOE, mla=True),
+        Architecture("GptOssForCausalLM", experts=GPT_OSS_MOE, layer_types=True, attention_sinks=True),
     )
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)

@@ -271,8 +271,9 @@ def rank_moe_spec(
     placement the model config gives it."""
     place = expert_placement(layout, rank, world_size, expert_parallel)
     want = (layout.num_experts, place.num_experts, layout.top_k, layout.hidden, place.intermediate)
-    got = (spec.total_experts, spec.num_experts, spec.top_k, spec.w13.k, spec.w2.k)
-    if got != want or (spec.w13.n, spec.w2.n) != (2 * place.intermediate, layout.hidden):
+    got = (spec.total_experts, spec.num_experts, spec.top_k, spec.model_hidden, spec.model_intermediate)
+    stored = (spec.w13.n, spec.w2.n) == (2 * spec.intermediate, spec.hidden)
+    if got != want or not stored:
         raise LoadError(
             f"expert group {layout.name}: the manifest has {got[0]} experts ({got[1]} on this rank), "
             f"top-{got[2]}, hidden {got[3]}, intermediate {got[4]} per rank; the model config gives "

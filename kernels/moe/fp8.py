@@ -34,7 +34,7 @@ from kernels.fp8_w8a16 import Fp8W8A16Kernel, fit_to_fp8_blocks
 from kernels.jit import jit, triton_builder
 from kernels.launch import TileKind
 from kernels.moe.fused import FusedExperts, PartLaunch, moe_grid, moe_tiles
-from kernels.moe_base import ExpertTwin, MoESpec, swiglu
+from kernels.moe_base import ExpertTwin, MoESpec
 
 
 class Fp8MoEW8A8Kernel(FusedExperts):
@@ -61,12 +61,12 @@ class Fp8MoEW8A8Kernel(FusedExperts):
 
     def expert_twin(self, tensors: dict[str, torch.Tensor], spec: MoESpec) -> ExpertTwin:
         """Both GEMM inputs quantized per token (fp8_w8a8's reference), the dequantized expert in fp32,
-        gate|up, silu * up and the weighted output rounded to the act dtype as `apply` does."""
+        gate|up, the activation and the weighted output rounded to the act dtype as `apply` does."""
 
         def twin(e: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             act = rows.dtype
             w13, w2 = (w.to(rows.device) for w in self.dequantize_expert(tensors, spec, e))
-            h = swiglu((_per_token_dequant(rows) @ w13.T).to(act)).to(act)
+            h = spec.act((_per_token_dequant(rows) @ w13.T).to(act)).to(act)
             return ((_per_token_dequant(h) @ w2.T) * weights).to(act).float()
 
         return twin

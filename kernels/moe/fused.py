@@ -29,7 +29,7 @@ from kernels.jit import (
 from kernels.launch import GemmConfig, TileKind, cuda_block_config, interpreter_config, launch_options
 from kernels.moe.align import MoERoutes, moe_align_block_size
 from kernels.moe.stacked import StackedExperts
-from kernels.moe_base import W2, W13, MoEApply, MoESpec, swiglu
+from kernels.moe_base import W2, W13, MoEApply, MoESpec
 from kernels.targets import Target
 
 # launch(part, a, routes, y, routed_weights, cfg): one grouped GEMM of part "w13" or "w2" over `routes`,
@@ -70,7 +70,7 @@ def fused_moe_mlp(
     alloc = x.new_empty if spec.num_experts == spec.total_experts else x.new_zeros
     gate_up = alloc(routes.num_slots, 2 * inter)
     launch(W13, x, routes, gate_up, None, cfg)
-    h = swiglu(gate_up).to(x.dtype)
+    h = spec.act(gate_up).to(x.dtype)
     down = x.new_zeros(routes.num_slots, hidden)  # a memset: ids out of range add nothing either
     launch(W2, h, routes, down, topk_weights.reshape(-1).float().contiguous(), cfg)
     return down.view(tokens, top_k, hidden).float().sum(1).to(x.dtype)

@@ -21,9 +21,10 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
-from kernels.moe_base import W2, W13, ExpertTwin, MoEApply, MoEKernel, MoESpec, expert_slices, swiglu
+from kernels.moe_base import SWIGLU_OAI, W2, W13, ExpertTwin, MoEApply, MoEKernel, MoESpec, expert_slices
 from kernels.targets import Target
 
 
@@ -49,7 +50,14 @@ class StackedExperts(MoEKernel):
             if attr not in cls.__dict__:
                 setattr(cls, attr, value)
 
+    def padded(self, spec: MoESpec) -> MoESpec:
+        multiples = self.inner.gpt_oss_expert_padding
+        if spec.activation != SWIGLU_OAI or multiples is None:
+            return spec
+        return spec.with_padding(*multiples)
+
     def supports(self, spec: MoESpec, target: Target) -> tuple[bool, str]:
+        spec = self.padded(spec)
         for part, linear in ((W13, spec.w13), (W2, spec.w2)):
             ok, reason = self.inner.can_implement(linear, target)
             if not ok:
@@ -115,7 +123,7 @@ class StackedExperts(MoEKernel):
 
         def twin(e: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             h = inner.reference(rows, expert_slices(tensors, W13, e), spec.w13)
-            y = inner.reference(swiglu(h).to(rows.dtype), expert_slices(tensors, W2, e), spec.w2)
+            y = inner.reference(spec.act(h).to(rows.dtype), expert_slices(tensors, W2, e), spec.w2)
             return y.float() * weights
 
         return twin
@@ -125,12 +133,18 @@ class StackedExperts(MoEKernel):
         experts = range(spec.num_experts)
         gate_up = [inner.bind_apply(expert_slices(tensors, W13, e), spec.w13) for e in experts]
         down = [inner.bind_apply(expert_slices(tensors, W2, e), spec.w2) for e in experts]
-        first, num, hidden = spec.first_expert, spec.num_experts, spec.hidden
+        first, num, hidden, act = spec.first_expert, spec.num_experts, spec.hidden, spec.act
+        pad, model_hidden = spec.hidden_pad, spec.model_hidden
 
         def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return down[e](swiglu(gate_up[e](rows)).to(rows.dtype)).float()
+            return down[e](act(gate_up[e](rows)).to(rows.dtype)).float()
 
         def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+            if pad:  # the layout's zero columns of H: activations padded, the output cut back
+                return padded_run(F.pad(x, (0, pad)), topk_ids, topk_weights)[:, :model_hidden]
+            return padded_run(x, topk_ids, topk_weights)
+
+        def padded_run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
             tokens, k = topk_ids.shape
             local = (topk_ids - first).reshape(-1)
             weights = topk_weights.reshape(-1).float()

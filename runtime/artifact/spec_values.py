@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.model_layout import MAX_EXPERTS
+from runtime.model_layout import MAX_EXPERTS, MAX_SWIGLU_LIMIT
 
 # Far above any layer (the lm_head of a 4M-token vocabulary); the model config bounds them tightly.
 MAX_FEATURES = 1 << 24
@@ -74,6 +74,10 @@ class MoESpecValues(_Strict):
     w2: LinearSpecValues
     first_expert: Annotated[int, Field(strict=True, ge=0, le=MAX_EXPERTS)] = 0
     total_experts: Annotated[int, Field(strict=True, ge=0, le=MAX_EXPERTS)] = 0
+    activation: Literal["silu", "swigluoai"] = "silu"  # kernels.moe_base.EXPERT_ACTIVATIONS
+    swiglu_limit: Annotated[float, Field(ge=0.0, le=MAX_SWIGLU_LIMIT)] = 0.0
+    hidden_pad: Annotated[int, Field(strict=True, ge=0, le=MAX_FEATURES)] = 0
+    intermediate_pad: Annotated[int, Field(strict=True, ge=0, le=MAX_FEATURES)] = 0
 
 
 def _checked(model: type[_Strict], value: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ FORMATS: tuple[str, ...] = (
     "services.convert.formats.awq:AwqFormat",
     "services.convert.formats.modelopt:ModelOptFormat",
     "services.convert.formats.fp8:Fp8Format",
+    "services.convert.formats.gpt_oss_mxfp4:GptOssMxfp4Format",
     "services.convert.formats.compressed_tensors:CompressedTensorsFormat",
     "services.convert.formats.dense:DenseFormat",
 )

@@ -23,6 +23,7 @@ from services.convert.pipeline import CancelFn, ConversionResult, Progress, Prog
 from services.convert.plan import Plan, PlanRow, build_plan
 from services.convert.spec import ConversionSpec, Fp8Scheme, HeadQuant, Method, conversion_spec
 from services.convert.spec import disabled_kernels as effective_disabled_kernels
+from services.convert.stacked_experts import per_expert_view
 from services.settings import ServiceSettings, get_settings
 from services.storage import open_source, open_store
 from services.storage.local import STAGING_DIR, LocalStore
@@ -105,7 +106,10 @@ def open_and_detect(
     file = file or gguf_in(reader, set(reader.list()))
     if file is not None and not reader.exists(file):
         raise NotACheckpointError(f"{source}: no such GGUF file")
-    ckpt = open_gguf_checkpoint(reader, file) if file is not None else open_checkpoint(reader)
+    if file is not None:
+        ckpt: Checkpoint = open_gguf_checkpoint(reader, file)
+    else:
+        ckpt = per_expert_view(open_checkpoint(reader))
     return ckpt, detect_format(ckpt)
 
 

@@ -58,7 +58,8 @@ def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
 
 
 def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
-    """Row-parallel slice: input features [rank*K/tp, (rank+1)*K/tp)."""
+    """Row-parallel slice: input features [rank*K/tp, (rank+1)*K/tp). A bias (N,) is kept whole on
+    every rank; the runtime adds it on rank 0 only, before the all-reduce (as vLLM does)."""
     if tp == 1:
         return w
     k = weight_shape(w)[1]
@@ -66,8 +67,6 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
         raise UnsupportedError(f"{name}: {k} input features cannot be split over tp={tp}")
     part = k // tp
     s, e = rank * part, (rank + 1) * part
-    if w.bias is not None and tp > 1:
-        raise UnsupportedError(f"{name}: a bias on a row-parallel layer is not supported with tp > 1")
     if isinstance(w, IntWeight):
         if w.g_idx is not None or w.group_size in (-1, 0):
             scales, zeros, mins = w.scales, w.zeros, w.mins  # replicated on every rank
@@ -203,3 +202,60 @@ def cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
         pos += t.numel() * t.element_size()
     shape = (sum(t.shape[0] for t in ts), *first.shape[1:])
     return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+
+
+def interleave_halves(w: SourceWeight, name: str) -> SourceWeight:
+    """A fused gate|up weight (gate rows, then as many up rows) with its rows interleaved: gate row j
+    at 2j, up row j at 2j + 1 (gpt-oss's w13, as its checkpoints and vLLM's layers hold it)."""
+    n = weight_shape(w)[0]
+    order = torch.arange(n).view(2, n // 2).T.reshape(-1)  # (N,): 0, N/2, 1, N/2 + 1, ...
+    bias = None if w.bias is None else w.bias[order]
+
+    def one_scale(scale: torch.Tensor | None, what: str) -> torch.Tensor | None:
+        """gate's and up's per-shard scale, which interleaving leaves as one for both."""
+        if scale is None or scale.numel() == 1:
+            return scale
+        flat = scale.reshape(-1)
+        if not bool((flat == flat[0]).all()):
+            raise UnsupportedError(
+                f"{name}: gate and up have different {what} ({flat.tolist()}); interleaved gate/up rows "
+                "take one for both"
+            )
+        return flat[:1]
+
+    if isinstance(w, IntWeight):
+        return IntWeight(
+            w.codes[order], w.scales[:, order], w.bits, w.group_size,
+            None if w.zeros is None else w.zeros[:, order], w.g_idx, bias,
+            None if w.mins is None else w.mins[:, order],
+        )  # fmt: skip
+    if isinstance(w, Fp8Weight):
+        if w.strategy == "block":
+            raise UnsupportedError(f"{name}: FP8 block scales cannot follow gate/up rows interleaved")
+        scale = w.scale[order] if w.strategy == "channel" else one_scale(w.scale, "FP8 scales")
+        assert scale is not None
+        return Fp8Weight(w.weight[order], scale, w.strategy, None, (), bias)
+    if isinstance(w, Fp4Weight):
+        glob = one_scale(w.global_scale, "NVFP4 global scales")
+        return Fp4Weight(w.codes[order], w.scales[order], w.fmt, glob, (), bias)
+    return DenseWeight(w.weight[order], bias)
+
+
+def pad_weight(w: SourceWeight, n: int, k: int, name: str) -> SourceWeight:
+    """`w` (N, K) with zero rows and columns appended up to (n, k): codes 0 and E8M0 scale bytes 0 for
+    FP4 (what vLLM's zero-initialised padded parameters hold), zeros for a dense weight; the bias
+    padded with zeros."""
+    n0, k0 = weight_shape(w)
+    if (n0, k0) == (n, k):
+        return w
+    bias = None if w.bias is None else torch.nn.functional.pad(w.bias, (0, n - n0))
+    if isinstance(w, Fp4Weight) and w.global_scale is None:
+        gs = w.group_size
+        if k0 % gs or k % gs:
+            raise UnsupportedError(f"{name}: {w.fmt} groups of {gs} do not divide K={k0} padded to {k}")
+        codes = torch.nn.functional.pad(w.codes, (0, k - k0, 0, n - n0))
+        scales = torch.nn.functional.pad(w.scales, (0, (k - k0) // gs, 0, n - n0))
+        return Fp4Weight(codes, scales, w.fmt, None, (), bias)
+    if isinstance(w, DenseWeight):
+        return DenseWeight(torch.nn.functional.pad(w.weight, (0, k - k0, 0, n - n0)), bias)
+    raise UnsupportedError(f"{name}: a {type(w).__name__} is not padded by any layout (only MXFP4 experts)")

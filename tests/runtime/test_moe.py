@@ -98,13 +98,16 @@ CELLS: dict[str, tuple[str, str, str | None]] = {
     "deepseek-v3-gptq-w4a16": ("deepseek_v3_gptq", "auto", "cpu_int4_experts"),
     "deepseek-v3-fp8-dynamic": ("deepseek_v3_fp8_dynamic", "auto", "cpu_fp8_experts"),
     "deepseek-v3-fp8-block": ("deepseek_v3_fp8_block", "auto", "cpu_fp8_experts"),
+    "gpt-oss-bf16": ("gpt_oss_bf16", "auto", "dense_experts"),
+    "gpt-oss-mxfp4": ("gpt_oss_mxfp4", "auto", "cpu_fp4_experts"),
 }
 FP4_CELLS = [name for name in CELLS if "fp4" in name]
 # Architectures added after the first MoE ones: checked like the FP4 cells (against a wrong-routing
 # control) and on a greedy continuation.
 QWEN2_MOE_CELLS = [name for name in CELLS if name.startswith("qwen2-moe")]
 DEEPSEEK_CELLS = [name for name in CELLS if name.startswith("deepseek")]
-NEW_ARCHITECTURE_CELLS = QWEN2_MOE_CELLS + DEEPSEEK_CELLS
+GPT_OSS_CELLS = [name for name in CELLS if name.startswith("gpt-oss")]
+NEW_ARCHITECTURE_CELLS = QWEN2_MOE_CELLS + DEEPSEEK_CELLS + GPT_OSS_CELLS
 # Served over HTTP and decoded with an FP8 KV cache: each architecture and kind of source once.
 SERVED_CELLS = [
     "qwen3-dense-bf16",
@@ -114,6 +117,7 @@ SERVED_CELLS = [
     "qwen3-moe-nvfp4a16",
     "qwen2-moe-gptq-w4a16",
     "deepseek-v2-lite-bf16",  # softmax routing: its positions are decided, unlike V3's (above)
+    "gpt-oss-mxfp4",  # sinks and a sliding window through decode steps and the FP8 cache
 ]
 
 
@@ -370,7 +374,8 @@ def test_completions_echo_logprobs_match_transformers(served_cell: Cell) -> None
 
 
 @pytest.mark.parametrize(
-    "fixture", ["qwen3_moe_fp8_dynamic", "mixtral_bf16", "qwen2_moe_fp8_dynamic", "deepseek_v3_bf16"]
+    "fixture",
+    ["qwen3_moe_fp8_dynamic", "mixtral_bf16", "qwen2_moe_fp8_dynamic", "deepseek_v3_bf16", "gpt_oss_mxfp4"],
 )
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_ranks_give_the_same_greedy_tokens_as_one(

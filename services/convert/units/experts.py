@@ -20,14 +20,14 @@ import torch
 
 from kernels.base import IntWeight, LinearSpec, ShardSpec, SourceWeight, StoredTensor, Target, check_stored
 from kernels.errors import LayoutError, UnsupportedError
-from kernels.moe_base import W2, W13, MoEKernel, MoESpec
+from kernels.moe_base import SWIGLU_OAI, W2, W13, MoEKernel, MoESpec
 from kernels.registry import choose_moe_kernel
 from runtime.artifact.manifest import ExpertGroupEntry, LayerVerification, Rejection
-from runtime.model_layout import ExpertGroupLayout, RowRange, expert_groups, expert_placement
+from runtime.model_layout import ExpertGroupLayout, ModelConfig, RowRange, expert_groups, expert_placement
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import CheckpointFormat, LayerQuant
-from services.convert.tp import fuse, slice_cols, slice_rows
+from services.convert.tp import fuse, interleave_halves, pad_weight, slice_cols, slice_rows
 from services.convert.units.base import (
     HEADER_ENTRY_BYTES,
     MAX_TENSORS_PER_LAYER,
@@ -189,15 +189,21 @@ class ExpertGroupUnit:
     def _rank_expert(
         self, spec: MoESpec, rank: int, gate: SourceWeight, up: SourceWeight, down: SourceWeight
     ) -> tuple[SourceWeight, SourceWeight]:
-        """This rank's (w13, w2) of one expert: whole under EP, the intermediate slice under TP."""
+        """This rank's (w13, w2) of one expert: whole under EP, the intermediate slice under TP; w13's
+        gate and up rows interleaved for the activation that reads them so."""
         tp = len(self.specs)
-        if self.expert_parallel or tp == 1:
-            return fuse([gate, up], ["gate", "up"]), down
-        name, rows = self.name, RowRange(rank * spec.intermediate, spec.intermediate)
-        w13 = fuse(
-            [slice_rows(gate, rows, f"{name} gate"), slice_rows(up, rows, f"{name} up")], ["gate", "up"]
-        )
-        return w13, slice_cols(down, rank, tp, f"{name} down")
+        name = self.name
+        if not (self.expert_parallel or tp == 1):
+            rows = RowRange(rank * spec.intermediate, spec.intermediate)
+            gate, up = slice_rows(gate, rows, f"{name} gate"), slice_rows(up, rows, f"{name} up")
+            down = slice_cols(down, rank, tp, f"{name} down")
+        w13 = fuse([gate, up], ["gate", "up"])
+        if spec.activation == SWIGLU_OAI:
+            w13 = interleave_halves(w13, f"{name} w13")
+        if spec.hidden_pad or spec.intermediate_pad:  # the layout's zero rows / columns (vLLM's too)
+            w13 = pad_weight(w13, spec.w13.n, spec.w13.k, f"{name} w13")
+            down = pad_weight(down, spec.w2.n, spec.w2.k, f"{name} w2")
+        return w13, down
 
     def _verify_expert(
         self, spec: MoESpec, prepared: dict[str, torch.Tensor], refs: tuple[SourceWeight, SourceWeight]
@@ -250,8 +256,13 @@ def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
     online = ctx.online_fp8
     tq = online if online is not None and quant.scheme == "dense" else quant
     sources = _expert_sources(ctx.fmt, ctx.ckpt, group, quant)
-    specs = [_moe_spec(group, tq, r, ctx.tp, ctx.expert_parallel, ctx.act_dtype) for r in range(ctx.tp)]
+    biased = ctx.ckpt.has(f"{group.module(0, 0)}.bias")
+    specs = [
+        _moe_spec(ctx.model, group, tq, r, ctx.tp, ctx.expert_parallel, ctx.act_dtype, biased)
+        for r in range(ctx.tp)
+    ]
     choice = choose_moe_kernel(specs[0], ctx.target, ctx.disabled)
+    specs = [choice.kernel.padded(spec) for spec in specs]
     for spec in specs[1:]:
         ok, reason = choice.kernel.can_implement(spec, ctx.target)
         if not ok:
@@ -314,17 +325,19 @@ def _expert_sources(
 
 
 def _moe_spec(
-    group: ExpertGroupLayout, q: LayerQuant, rank: int, tp: int, expert_parallel: bool, act_dtype: str
-) -> MoESpec:
+    model: ModelConfig, group: ExpertGroupLayout, q: LayerQuant, rank: int, tp: int, expert_parallel: bool,
+    act_dtype: str, biased: bool,
+) -> MoESpec:  # fmt: skip
     place = expert_placement(group, rank, tp, expert_parallel)
     i = place.intermediate
+    assert model.moe is not None
 
     def linear(
         name: str, n: int, k: int, k_full: int, row_parallel: bool, shards: tuple[ShardSpec, ...]
     ) -> LinearSpec:
         return LinearSpec(
             name=name, n=n, k=k, k_full=k_full, row_parallel=row_parallel, act_dtype=act_dtype,
-            shards=shards, **q.spec_fields(),
+            shards=shards, has_bias=biased, **q.spec_fields(),
         )  # fmt: skip
 
     w13 = linear(
@@ -340,4 +353,6 @@ def _moe_spec(
         w2=w2,
         first_expert=place.first_expert,
         total_experts=group.num_experts,
+        activation=model.moe.activation,
+        swiglu_limit=model.moe.swiglu_limit,
     )
