@@ -5,6 +5,7 @@ read (mapping a file reads nothing)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,18 @@ class PluginError(KilnError):
 
 class VllmArtifact(OpenedArtifact):
     """An opened artifact with the lookups vLLM's model builder makes, refused in vLLM's terms."""
+
+    def rename(self, vllm_name: Callable[[str], str]) -> None:
+        """Key the layers, expert groups and tensors by the names vLLM's model gives them (its
+        `hf_to_vllm_mapper`: gpt-oss's attention is `….attn.`, its token embedding `model.embedding`;
+        the other architectures' vLLM names are the artifact's)."""
+        self.linears = {
+            vllm_name(n): dataclasses.replace(u, name=vllm_name(n)) for n, u in self.linears.items()
+        }
+        self.expert_groups = {
+            vllm_name(n): dataclasses.replace(g, name=vllm_name(n)) for n, g in self.expert_groups.items()
+        }
+        self.tensors = {vllm_name(n): t for n, t in self.tensors.items()}
 
     def linear(self, prefix: str) -> CheckedLinear:
         layer = self.linears.get(prefix)

@@ -84,9 +84,9 @@ class _Binder:
         for suffix, t in tensors.items():
             bound = run_on.get(suffix, t)
             if bound.data_ptr() != before.get(suffix, bound.data_ptr()):
-                self.binding.copied.append(f"{spec.name}.{suffix} (repacked by {kernel.name} for this CPU)")
+                self.binding.copied.append(f"{layer.name}.{suffix} (repacked by {kernel.name} for this CPU)")
             self.set(module, suffix, bound)
-            self.used.add(f"{spec.name}.{suffix}")
+            self.used.add(f"{layer.name}.{suffix}")
         act = (
             torch.float32 if self.artifact.device == "cpu" and kernel.cpu_act_dtype == torch.float32 else None
         )

@@ -91,7 +91,7 @@ class KilnModelLoader(BaseModelLoader):
             verify=self.verify,
         )
         self.artifact.check_model_dtype(model_config.dtype)
-        quant_config.artifact = self.artifact
+        quant_config.bind_artifact(self.artifact)
         self.quant_config = quant_config
         model = self._build_and_bind(vllm_config, model_config, prefix)
         report = load_report(

@@ -20,6 +20,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models.utils import WeightsMapper
 
 from runtime.artifact.hf_config import KILN_QUANT_METHOD, is_kiln_quant_config
 from runtime.vllm_plugin.artifact import PluginError, VllmArtifact
@@ -49,6 +50,21 @@ class KilnQuantConfig(QuantizationConfig):
         self.hf_quant_config = dict(hf_quant_config or {})
         self.artifact: VllmArtifact | None = None  # set by the kiln model loader before the model is built
         self.processed_layers = 0  # process_weights_after_loading calls (each a no-op)
+        self.vllm_names: WeightsMapper | None = None  # the model's hf_to_vllm_mapper, when it has one
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
+        """vLLM hands over its model's HF -> vLLM renames before building it (gpt-oss: `.self_attn.`
+        -> `.attn.`); the artifact's names are HF's."""
+        self.vllm_names = hf_to_vllm_mapper
+        if self.artifact is not None:
+            self.bind_artifact(self.artifact)
+
+    def bind_artifact(self, artifact: VllmArtifact) -> None:
+        """The artifact the model is built from (set by the kiln model loader), keyed by vLLM's names."""
+        mapper = self.vllm_names
+        if mapper is not None:
+            artifact.rename(lambda name: next(iter(mapper.apply_list([name])), name))
+        self.artifact = artifact
 
     def get_name(self) -> str:  # type: ignore[override]
         return KILN_QUANT_METHOD

@@ -232,6 +232,22 @@ def deepseek_paths(scheme: str) -> tuple[Path, Path]:
     return source, smollm2.build_artifact(source, "cpu")
 
 
+# gpt-oss (attention sinks, a sliding window, biased experts with the clamped SwiGLU): vLLM's model
+# names its attention `….attn.` and its token embedding `model.embedding` (its hf_to_vllm_mapper,
+# which the plugin applies to the artifact's names). The bf16 original runs on vLLM's CPU build; the
+# native MXFP4 one needs a kernel vLLM's CPU build has only with AMX.
+GPT_OSS_SCHEMES = ("bf16", "native-mxfp4")
+VLLM_CPU_GPT_OSS_MXFP4_ERROR = "No MXFP4 MoE backend supports the deployment configuration"
+
+
+def gpt_oss_paths(scheme: str) -> tuple[Path, Path]:
+    from devtools.builders import moe, smollm2
+    from devtools.builders.gpt_oss import build_gpt_oss_mxfp4
+
+    source = moe.build_source("gpt-oss") if scheme == "bf16" else build_gpt_oss_mxfp4()
+    return source, smollm2.build_artifact(source, "cpu")
+
+
 def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
     """The head-dtype override, an artifact for another target (refused before any read), the FP4
     artifacts with their originals and the Qwen2-MoE ones."""
@@ -241,6 +257,7 @@ def extra_jobs(tmp: Path) -> list[dict[str, Any]]:
         *bf16_jobs("fp4", {s: fp4_paths(s) for s in FP4_SCHEMES}, set(FP4_SCHEMES)),
         *bf16_jobs("qwen2-moe", {s: qwen2_moe_paths(s) for s in QWEN2_MOE_SCHEMES}, {"bf16"}),
         *bf16_jobs("deepseek", {s: deepseek_paths(s) for s in DEEPSEEK_SCHEMES}, {"bf16"}),
+        *bf16_jobs("gpt-oss", {s: gpt_oss_paths(s) for s in GPT_OSS_SCHEMES}, set(GPT_OSS_SCHEMES)),
         {
             "id": "head-fp32", "model": str(artifact("gptq", "float32")), "dtype": "bfloat16",
             "hf_overrides": {"head_dtype": "float32"}, "prompt_token_ids": PROMPT_IDS,
@@ -293,6 +310,9 @@ def test_auto_resolves_as_for_the_original_checkpoint(method: str, source: str, 
     assert art["dtype"] == src["dtype"] == ("bfloat16" if source == "float32" else source)
 
 
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.embedding.weight", "lm_head.weight")  # vLLM's names
+
+
 def _report_is_views_and_casts(report: dict[str, Any]) -> None:
     """Nothing transformed at load: every parameter is a view of the mapping, except norms cast to
     vLLM's dtype (a few KB) and embeddings padded to vLLM's 64-row multiple."""
@@ -300,7 +320,7 @@ def _report_is_views_and_casts(report: dict[str, Any]) -> None:
     assert report["changed_after_binding"] == []
     for copied in report["copied"]:
         norm_cast = "norm.weight (cast to " in copied
-        embedding = copied.startswith(("model.embed_tokens.weight", "lm_head.weight"))
+        embedding = copied.startswith(EMBEDDING_NAMES)
         padded = embedding and "(padded from" in copied
         assert norm_cast or padded, copied
 
@@ -419,6 +439,28 @@ def test_vllm_serves_a_deepseek_v3_artifact(scheme: str, matrix: MatrixRun) -> N
     print(f"deepseek-v3 {scheme}: vLLM plugin vs kiln serve {vs_kiln:.4f}, vs the original {vs_original:.4f}")
     assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
     assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
+
+
+@pytest.mark.parametrize("scheme", GPT_OSS_SCHEMES)
+def test_vllm_serves_a_gpt_oss_artifact(scheme: str, matrix: MatrixRun) -> None:
+    """vLLM's gpt-oss (its sinks, windows and router) over the plugin's linear layers and Kiln's
+    biased swigluoai experts, keyed by vLLM's own names: against kiln serve, and vLLM on the bf16
+    original; vLLM refuses the native MXFP4 original on this CPU, the plugin serves its artifact."""
+    art = matrix.vllm[f"gpt-oss-art:{scheme}"]
+    assert art["ok"], art["error"]
+    assert len(art["output_token_ids"]) == MAX_TOKENS
+    _report_is_views_and_casts(art["report"])
+    vs_kiln = _mean(art["prompt_logprobs"], _kiln_prompt_logprobs(gpt_oss_paths(scheme)[1]))
+    original = matrix.vllm[f"gpt-oss-src:{scheme}"]
+    print(f"gpt-oss {scheme}: vLLM plugin vs kiln serve {vs_kiln:.4f}")
+    assert vs_kiln <= KILN_SERVE_MEAN_ATOL["bfloat16"]
+    if scheme == "bf16":
+        assert original["ok"], original["error"]
+        vs_original = _mean(art["prompt_logprobs"], original["prompt_logprobs"])
+        print(f"gpt-oss {scheme}: vLLM plugin vs vLLM on the original {vs_original:.4f}")
+        assert vs_original <= VLLM_ORIGINAL_MEAN_ATOL
+    else:
+        assert not original["ok"] and VLLM_CPU_GPT_OSS_MXFP4_ERROR in original["error"]
 
 
 def test_an_artifact_for_a_gpu_is_refused_before_a_weight_is_read(matrix: MatrixRun) -> None:
