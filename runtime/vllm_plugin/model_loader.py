@@ -152,7 +152,7 @@ def load_report(
     """Every parameter after vLLM finished loading: a view of the mapping (CPU) or not, and whether
     vLLM's post-processing replaced it after the binding."""
     ranges = artifact.address_ranges()
-    views, total, outside, changed = 0, 0, [], []
+    views, total, outside, changed, created = 0, 0, [], [], []
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         total += nbytes
@@ -161,7 +161,9 @@ def load_report(
             views += 1
         else:
             outside.append(name)
-        if name in bound_pointers and bound_pointers[name] != start:
+        if name not in bound_pointers:
+            created.append(name)
+        elif bound_pointers[name] != start:
             changed.append(name)
     return {
         "artifact_id": artifact.manifest.artifact_id,
@@ -178,6 +180,7 @@ def load_report(
         "copied": binding.copied if binding else [],
         "layers_run_on": dict(binding.runs_on) if binding else {},
         "changed_after_binding": changed,
+        "created_after_binding": created,  # vLLM's own derivations (its non-AMX CPU MLA's W_UK_T / W_UV)
         "process_weights_after_loading_calls": quant_config.processed_layers,
         "torch_threads": torch.get_num_threads(),
         "seconds": round(seconds, 3),
