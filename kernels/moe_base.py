@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kernels.base import IntWeight, LinearSpec, SourceWeight, StoredTensor, stored_act_dtypes
+from kernels.base import Fp8Weight, IntWeight, LinearSpec, SourceWeight, StoredTensor, stored_act_dtypes
 from kernels.targets import Target
 
 SILU = "silu"  # silu(gate) * up; w13 rows: gate then up
@@ -208,6 +208,12 @@ class MoEKernel(ABC):
         self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert `expert`'s (w13 (2I, H), w2 (H, I)) float32 weights."""
+
+    def stored_fp8_weights(
+        self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int
+    ) -> tuple[Fp8Weight | None, Fp8Weight | None]:
+        """Local expert `expert`'s (w13, w2) as `LinearKernel.stored_fp8_weight` gives them."""
+        return None, None
 
     def stored_int_weights(
         self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kernels.base import IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
+from kernels.base import Fp8Weight, IntWeight, LinearKernel, LinearSpec, SourceWeight, StoredTensor
 from kernels.moe_base import SWIGLU_OAI, W2, W13, ExpertTwin, MoEApply, MoEKernel, MoESpec, expert_slices
 from kernels.targets import Target
 
@@ -106,6 +106,14 @@ class StackedExperts(MoEKernel):
         return (
             self.inner.dequantize(expert_slices(tensors, W13, expert), spec.w13),
             self.inner.dequantize(expert_slices(tensors, W2, expert), spec.w2),
+        )
+
+    def stored_fp8_weights(
+        self, tensors: dict[str, torch.Tensor], spec: MoESpec, expert: int
+    ) -> tuple[Fp8Weight | None, Fp8Weight | None]:
+        return (
+            self.inner.stored_fp8_weight(expert_slices(tensors, W13, expert), spec.w13),
+            self.inner.stored_fp8_weight(expert_slices(tensors, W2, expert), spec.w2),
         )
 
     def stored_int_weights(

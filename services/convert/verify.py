@@ -41,6 +41,7 @@ from kernels.base import (
     SourceWeight,
     row_block_slices,
 )
+from kernels.codecs.fp8 import QuantError
 from runtime.artifact.manifest import LayerVerification
 
 INT_STEP_BOUND = 0.25
@@ -224,6 +225,34 @@ def compare(
     if isinstance(source, Fp4Weight):
         bound = FP4_MARLIN_FLUSH_REL_BOUND
     return _compare_float_rows(blocks, lambda rows: ref[rows], ref.shape[0], bound, try_exact=True)
+
+
+def compare_fp8_measured(
+    stored: Fp8Weight | None, quantized: SourceWeight, error: QuantError | None
+) -> LayerVerification | None:
+    """A layer quantized online to FP8 (`quantize_fp8_measured`) whose kernel stores its codes and
+    scales unchanged (`LinearKernel.stored_fp8_weight`): the stored bytes against the quantizer's,
+    exactly, and the error the quantizer measured over every element against the online-FP8 bound —
+    what dequantizing the stored layer and comparing it with the source would give, without a second
+    pass over the weight. None: verify by dequantizing."""
+    if stored is None or error is None or not isinstance(quantized, Fp8Weight):
+        return None
+    if stored.weight.shape != quantized.weight.shape:
+        return _mismatch()
+    same_codes = _same_view(stored.weight, quantized.weight) or torch.equal(
+        stored.weight.view(torch.uint8), quantized.weight.view(torch.uint8)
+    )
+    scales = stored.scale.float().reshape(-1), quantized.scale.float().reshape(-1)
+    if not same_codes or not torch.equal(*scales):
+        return LayerVerification(ok=False, metric="exact", value=float("inf"), bound=0.0)
+    bound = ONLINE_REL_BOUNDS["fp8"]
+    f32 = torch.float32  # the ratio in float32, as `_compare_float_rows` takes it
+    value = float(
+        torch.tensor(error.diff_max, dtype=f32) / torch.tensor(error.ref_max, dtype=f32).clamp_min(_TINY)
+    )
+    if value != value:  # NaN (a non-finite weight) never passes
+        value = float("inf")
+    return LayerVerification(ok=value <= bound, metric="max_rel_err", value=value, bound=bound)
 
 
 def _compare_int_rows(

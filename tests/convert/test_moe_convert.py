@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ from safetensors import safe_open
 
 from devtools.builders.synthetic import MIXTRAL_TINY, MOE_DEFECTS, QWEN3_MOE_TINY, Dims, write_checkpoint
 from kernels.errors import KilnError
+from kernels.fp8_w8a8 import Fp8W8A8Kernel
 from kernels.registry import BUILTIN_KERNELS, get_moe_kernel
 from runtime.artifact.manifest import Manifest
 from runtime.model_layout import ModelConfig, expert_groups
 from services.convert.checkpoint import open_checkpoint
 from services.convert.detect import detect_format
+from services.convert.errors import VerificationError
 from services.convert.library import ConversionRequest, convert, plan
 from services.convert.tp import fuse
 from services.storage import open_source
@@ -268,3 +271,46 @@ def test_expert_group_bytes_are_the_linear_kernels_per_expert(
         for part, prepared in per_expert.items():
             for suffix, t in prepared.items():
                 assert torch.equal(stacked[f"{group.name}.{part}.{suffix}"][e], t), (e, part, suffix)
+
+
+# --- online FP8 verified from the quantizer's measured error -------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_online_fp8_kept_as_quantized_is_verified_as_dequantizing_would(
+    qwen3_moe_bf16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """sm90's fp8_w8a8 layouts store the quantizer's codes and scales as they are: each expert part
+    and each linear layer is verified by those bytes plus the error measured while quantizing, and
+    the manifest records the same figures as dequantizing the stored layer and comparing it with the
+    source (the path every other layout takes, forced here by hiding the stored FP8 weights)."""
+    measured = _convert(qwen3_moe_bf16, "sm90", tmp_path / "measured", method="fp8", fp8_scheme=scheme)
+    monkeypatch.setattr(Fp8W8A8Kernel, "stored_fp8_weight", lambda self, tensors, spec: None)
+    dequantized = _convert(qwen3_moe_bf16, "sm90", tmp_path / "dequantized", method="fp8", fp8_scheme=scheme)
+    assert measured.artifact_id == dequantized.artifact_id
+    for section in ("expert_groups", "layers"):
+        for name, entry in getattr(measured, section).items():
+            want = getattr(dequantized, section)[name].verification
+            assert entry.verification == want, name
+    worst = measured.expert_groups[QWEN3_GROUPS[0]].verification
+    assert worst.metric == "max_rel_err" and 0 < worst.value <= worst.bound
+
+
+def test_online_fp8_bytes_altered_after_quantizing_are_caught(
+    qwen3_moe_bf16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layout that stores other codes than the quantizer's fails verification, naming the expert."""
+    prepare = Fp8W8A8Kernel.prepare
+
+    def altered(self: Fp8W8A8Kernel, weight: Any, spec: Any, target: Any) -> dict[str, torch.Tensor]:
+        out = prepare(self, weight, spec, target)
+        if spec.name.endswith("experts.w2"):
+            codes = out["weight"].clone()
+            codes.view(torch.uint8)[0, 0] ^= 0x01
+            out["weight"] = codes
+        return out
+
+    monkeypatch.setattr(Fp8W8A8Kernel, "prepare", altered)
+    where = r"expert group model\.layers\.0\.mlp\.experts \(rank 0, expert 0, w2"
+    with pytest.raises(VerificationError, match=where):
+        _convert(qwen3_moe_bf16, "sm90", tmp_path / "out", method="fp8", fp8_scheme="tensor")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -9,6 +11,9 @@ from hypothesis import strategies as st
 
 from kernels.base import Fp8Weight
 from kernels.codecs import E4M3_MAX, quantize_fp8, requantize_to_max_scale, round_to_e4m3_grid
+from kernels.codecs import native_fp8 as native_fp8_module
+from kernels.codecs.fp8 import quantize_fp8_measured
+from kernels.codecs.native_fp8 import native_fp8
 from kernels.errors import LayoutError
 from tests.kernels.reference_layouts import (
     ref_fp8_per_block,
@@ -203,3 +208,84 @@ def test_round_to_e4m3_grid_exact_on_random_values() -> None:
 def test_round_to_e4m3_grid_needs_float32() -> None:
     with pytest.raises(LayoutError, match="float32"):
         round_to_e4m3_grid(torch.zeros(3, dtype=torch.float16))
+
+
+# --- the native quantizer (kernels/codecs/native/fp8_quant.c) and the measured error ----------------
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantize with torch ops: the native library reads as unavailable."""
+    monkeypatch.setitem(native_fp8_module._state, "lib", None)
+
+
+def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ordinary weights plus e4m3 edge values: ties, subnormals, ±0, the saturation point."""
+    w = _weight(7, 96, 160, torch.float32)
+    edge = torch.tensor([
+        0.0, -0.0, 1e-30, 2**-10, 1.5 * 2**-9, 2.5 * 2**-9, 2**-6, 0.999 * 2**-6, 3.5 * 2**-9,
+        447.0, 448.0, 464.0, 480.0, -17.0, 2**-7 * 1.0625, 2**-7 * 1.1875,
+    ])  # fmt: skip
+    w[0, : edge.numel()] = edge
+    w[1, : edge.numel()] = -edge * 0.37
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_and_torch_quantizers_give_the_same_bytes_and_error(
+    dtype: torch.dtype, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _edge_rows(dtype)
+    native_q, native_err = quantize_fp8_measured(w, strategy)  # type: ignore[arg-type]
+    _torch_path(monkeypatch)
+    torch_q, torch_err = quantize_fp8_measured(w, strategy)  # type: ignore[arg-type]
+    assert torch.equal(_bytes(native_q.weight), _bytes(torch_q.weight))
+    assert torch.equal(native_q.scale, torch_q.scale)
+    assert native_err == torch_err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_measured_error_is_the_dequantized_comparison(dtype: torch.dtype) -> None:
+    w = _edge_rows(dtype)
+    q, err = quantize_fp8_measured(w, "channel")
+    dequantized = q.weight.float() * q.scale[:, None]
+    assert err.diff_max == float((dequantized - w.float()).abs().max())
+    assert err.ref_max == float(w.float().abs().max())
+    assert torch.equal(_bytes(q.weight), _bytes(quantize_fp8(w, "channel").weight))
+
+
+def test_a_non_finite_weight_gives_a_nan_error() -> None:
+    w = _edge_rows(torch.bfloat16)
+    w[3, 4] = float("nan")
+    _, err = quantize_fp8_measured(w, "tensor")
+    assert err.diff_max != err.diff_max
+
+
+def test_native_rounding_is_torchs_on_spread_fp32_patterns() -> None:
+    """Every 1021st fp32 bit pattern (all exponents, both signs, NaNs and infinities), and a dense sweep
+    around e4m3's subnormal range, through the native kernel with a unit scale: torch's e4m3fn bytes."""
+    lib = native_fp8()
+    if lib is None:
+        pytest.skip("no C compiler: the native quantizer is not built here (the torch path is tested)")
+    patterns = torch.arange(0, 2**32, 1021, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    sweep = torch.linspace(-0.05, 0.05, 1_000_000)
+    for x in (patterns[:4_000_000].reshape(-1, 1000), sweep.reshape(-1, 1000)):
+        n, k = x.shape
+        ones, out = torch.ones(n), torch.empty(n, k, dtype=torch.uint8)
+        lib.kiln_fp8_quantize_f32(x.data_ptr(), n, k, k, ones.data_ptr(), ones.data_ptr(), out.data_ptr(), 0)
+        assert torch.equal(out, _bytes(x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)))
+
+
+def test_without_a_compiler_it_warns_once_and_quantizes_with_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(native_fp8_module.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native_fp8_module, "_state", {})
+    w = _edge_rows(torch.bfloat16)
+    with caplog.at_level("WARNING", logger=native_fp8_module.__name__):
+        first = quantize_fp8(w, "tensor")
+        second = quantize_fp8(w, "tensor")
+    warnings = [r for r in caplog.records if "native FP8 quantizer unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and native_fp8_module._state == {"lib": None}
+    assert torch.equal(_bytes(first.weight), _bytes(second.weight))

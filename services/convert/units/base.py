@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from kernels.base import DenseWeight, SourceWeight, StoredTensor, Target, weight_shape
-from kernels.codecs.fp8 import quantize_fp8
+from kernels.codecs.fp8 import QuantError, quantize_fp8, quantize_fp8_measured
 from kernels.codecs.int8 import quantize_channelwise_int8
 from kernels.cpu_int8 import CpuInt8Kernel
 from kernels.errors import LayoutError
@@ -151,6 +151,20 @@ def online_fp8_quant(fp8_scheme: str) -> LayerQuant:
         fp8_strategy=fp8_scheme,  # type: ignore[arg-type]
         block_size=ONLINE_FP8_BLOCK if fp8_scheme == "block" else None,
     )
+
+
+def quantize_online_measured(
+    w: SourceWeight, target_quant: LayerQuant
+) -> tuple[SourceWeight, QuantError | None]:
+    """`quantize_online`, with the quantization's error measured in the same pass where the
+    quantizer can (FP8 per-tensor / per-channel: `quantize_fp8_measured`), else None."""
+    assert isinstance(w, DenseWeight)
+    strategy = target_quant.fp8_strategy or "tensor"
+    if target_quant.scheme != "fp8" or strategy not in ("tensor", "channel"):
+        return quantize_online(w, target_quant), None
+    q, error = quantize_fp8_measured(w.weight, strategy)
+    q.bias = w.bias
+    return q, error
 
 
 def quantize_online(w: SourceWeight, target_quant: LayerQuant) -> SourceWeight:

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from kernels.base import IntWeight, LinearSpec, ShardSpec, SourceWeight, StoredTensor, Target, check_stored
+from kernels.codecs.fp8 import QuantError
 from kernels.errors import LayoutError, UnsupportedError
 from kernels.moe_base import SWIGLU_OAI, W2, W13, MoEKernel, MoESpec
 from kernels.registry import choose_moe_kernel
@@ -35,12 +36,12 @@ from services.convert.units.base import (
     PlanRow,
     RankFiles,
     check_source_shape,
-    quantize_online,
+    quantize_online_measured,
     require_reproduced,
     stored_bytes,
     undeclared_tensors,
 )
-from services.convert.verify import compare, compare_int_stored, worst_of
+from services.convert.verify import compare, compare_fp8_measured, compare_int_stored, worst_of
 
 PART_NAMES = ("gate", "up", "down")
 Expert = tuple[SourceWeight, SourceWeight, SourceWeight]  # gate, up, down as the checkpoint holds them
@@ -156,15 +157,15 @@ class ExpertGroupUnit:
         """Prepare, verify and write one expert's slice for one rank; the group's worst check so far."""
         spec = self.specs[rank]
         ref13, ref2 = self._rank_expert(spec, rank, *source)
-        online = self.online_fp8
-        w13, w2 = (
-            (quantize_online(ref13, self.target_quant), quantize_online(ref2, self.target_quant))
-            if online
-            else (ref13, ref2)
-        )
+        errors: tuple[QuantError | None, QuantError | None] = (None, None)
+        w13, w2 = ref13, ref2
+        if self.online_fp8:
+            (w13, e13), (w2, e2) = (quantize_online_measured(ref, self.target_quant) for ref in (ref13, ref2))
+            errors = e13, e2
         prepared = self.kernel.prepare_expert(w13, w2, spec, files.target)
         self._check_expert_tensors(spec, files.target, prepared)
-        for part, check in zip((W13, W2), self._verify_expert(spec, prepared, (ref13, ref2)), strict=True):
+        checks = self._verify_expert(spec, prepared, (ref13, ref2), (w13, w2), errors)
+        for part, check in zip((W13, W2), checks, strict=True):
             where = (
                 f"expert group {self.name} (rank {rank}, expert {expert}, {part}, kernel {self.kernel.name})"
             )
@@ -206,15 +207,27 @@ class ExpertGroupUnit:
         return w13, down
 
     def _verify_expert(
-        self, spec: MoESpec, prepared: dict[str, torch.Tensor], refs: tuple[SourceWeight, SourceWeight]
+        self,
+        spec: MoESpec,
+        prepared: dict[str, torch.Tensor],
+        refs: tuple[SourceWeight, SourceWeight],
+        quantized: tuple[SourceWeight, SourceWeight],
+        errors: tuple[QuantError | None, QuantError | None],
     ) -> list[LayerVerification]:
         """(w13, w2) checks of one prepared expert against its source weights: value for value on the
-        stored integer weights where the layout keeps them, else on the dequantized weights."""
+        stored integer weights where the layout keeps them; for online FP8 kept as quantized, the
+        stored bytes against the quantizer's and its measured error; else on the dequantized weights."""
         one = {k: v[None] for k, v in prepared.items()}  # a group of this expert alone
         act = spec.w13.torch_act_dtype
         kernel = self.kernel
         stored = kernel.stored_int_weights(one, spec, 0) if isinstance(refs[0], IntWeight) else (None, None)
         checks = [compare_int_stored(s, ref, act) for s, ref in zip(stored, refs, strict=True)]
+        if errors != (None, None):
+            fp8 = kernel.stored_fp8_weights(one, spec, 0)
+            checks = [
+                c or compare_fp8_measured(s, q, e)
+                for c, s, q, e in zip(checks, fp8, quantized, errors, strict=True)
+            ]
         if all(c is not None for c in checks):
             return [c for c in checks if c is not None]
         got = kernel.dequantize_expert(one, spec, 0)

@@ -44,12 +44,18 @@ from services.convert.units.base import (
     PlanRow,
     RankFiles,
     check_source_shape,
-    quantize_online,
+    quantize_online_measured,
     require_reproduced,
     stored_bytes,
     undeclared_tensors,
 )
-from services.convert.verify import compare, compare_dense_stored, compare_int_stored, worst_of
+from services.convert.verify import (
+    compare,
+    compare_dense_stored,
+    compare_fp8_measured,
+    compare_int_stored,
+    worst_of,
+)
 
 
 @dataclass
@@ -145,7 +151,9 @@ class LinearUnit:
     ) -> tuple[dict, LayerVerification]:
         """One rank's prepared tensors and their check against the source."""
         kernel, target = self.kernel, files.target
-        weight = quantize_online(reference, self.target_quant) if self.online else reference
+        weight, error = (reference, None)
+        if self.online:
+            weight, error = quantize_online_measured(reference, self.target_quant)
         prepared = kernel.prepare(weight, spec, target)
         release_freed_heap()  # the layout prep's temporaries, before verification's
         try:
@@ -155,6 +163,10 @@ class LinearUnit:
         if kernel.stores_plain_weight and isinstance(reference, DenseWeight) and not self.online:
             return prepared, compare_dense_stored(prepared["weight"], reference)
         act = spec.torch_act_dtype
+        if error is not None:
+            measured = compare_fp8_measured(kernel.stored_fp8_weight(prepared, spec), weight, error)
+            if measured is not None:
+                return prepared, measured
         stored = kernel.stored_int_weight(prepared, spec) if isinstance(reference, IntWeight) else None
         check = compare_int_stored(stored, reference, act) or compare(
             kernel.dequantized_rows(prepared, spec),
