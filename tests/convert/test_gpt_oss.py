@@ -10,7 +10,6 @@ tests/runtime/test_moe.py.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from runtime.artifact.manifest import Manifest
 from runtime.model_layout import ModelConfig
 from services.convert.library import ConversionRequest, convert, open_and_detect, plan
 from services.convert.stacked_experts import StackedExpertsCheckpoint
-from tests.vllm_plugin.vllm_host import vllm_env, vllm_python
+from tests.vllm_plugin.vllm_host import run_in_vllm, split_by_source, vllm_python
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 256, 128
 # Marlin group vs cpu_fp4 group on the same bf16 tokens: the same exact weights, outputs rounded to
@@ -182,7 +181,7 @@ def sm80_and_vllm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, dict[str, dict[str, torch.Tensor]]]]:
     """Per source: (its sm80 artifact, vLLM's prepared tensors of every group), one vLLM run."""
-    python = vllm_python()
+    vllm_python()  # skips without the venv, before any conversion
     work = tmp_path_factory.mktemp("gpt_oss_sm80")
     cases: dict[str, dict[str, Any]] = {}
     artifacts: dict[str, Path] = {}
@@ -204,20 +203,8 @@ def sm80_and_vllm(
                 "w13_bias": t["gate_up_proj_bias"],
                 "w2_bias": t["down_proj_bias"],
             }
-    torch.save(cases, work / "in.pt")
-    proc = subprocess.run(
-        [str(python), "-c", VLLM_SCRIPT, str(work / "in.pt"), str(work / "out.pt")],
-        env=vllm_env(), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    theirs = torch.load(work / "out.pt", weights_only=True)
-    return {
-        fixture: (
-            artifacts[fixture],
-            {k.split(":", 1)[1]: v for k, v in theirs.items() if k.startswith(f"{fixture}:")},
-        )
-        for fixture in MARLIN_SOURCES
-    }
+    theirs = split_by_source(run_in_vllm(VLLM_SCRIPT, cases, work), list(MARLIN_SOURCES))
+    return {fixture: (artifacts[fixture], theirs[fixture]) for fixture in MARLIN_SOURCES}
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,7 +7,6 @@ llm-compressor); serving them against transformers is tests/runtime/test_moe.py.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from runtime.artifact.manifest import DERIVED_SCHEMA_VERSION
 from runtime.mla import absorbed_name
 from runtime.model_layout import ModelConfig, kv_cache_geometry
 from services.convert.library import ConversionRequest, convert, plan
-from tests.vllm_plugin.vllm_host import vllm_env, vllm_python
+from tests.vllm_plugin.vllm_host import run_in_vllm, split_by_source, vllm_python
 
 DEEPSEEK_SOURCES = [
     "deepseek_v3_bf16",
@@ -152,7 +151,7 @@ def vllm_absorbed(
 ) -> dict[str, tuple[Path, dict[str, dict[str, torch.Tensor]]]]:
     """Per source: (its sm80 artifact, vLLM's W_UK_T / W_UV of every layer's kv_b_proj), from one run
     of vLLM's venv for both sources."""
-    python = vllm_python()
+    vllm_python()  # skips without the venv, before any conversion
     work = tmp_path_factory.mktemp("vllm_absorbed")
     cases: dict[str, dict[str, Any]] = {}
     artifacts: dict[str, Path] = {}
@@ -174,20 +173,8 @@ def vllm_absorbed(
             if scale is not None:
                 case["weight_scale_inv"] = scale.float()
             cases[f"{fixture}:{module}"] = case
-    torch.save(cases, work / "in.pt")
-    proc = subprocess.run(
-        [str(python), "-c", VLLM_SCRIPT, str(work / "in.pt"), str(work / "out.pt")],
-        env=vllm_env(), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    theirs = torch.load(work / "out.pt", weights_only=True)
-    return {
-        fixture: (
-            artifacts[fixture],
-            {k.split(":", 1)[1]: v for k, v in theirs.items() if k.startswith(fixture + ":")},
-        )
-        for fixture in ABSORBED_SOURCES
-    }
+    theirs = split_by_source(run_in_vllm(VLLM_SCRIPT, cases, work), ABSORBED_SOURCES)
+    return {fixture: (artifacts[fixture], theirs[fixture]) for fixture in ABSORBED_SOURCES}
 
 
 @pytest.mark.parametrize("fixture", ABSORBED_SOURCES)

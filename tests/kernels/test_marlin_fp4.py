@@ -14,8 +14,6 @@ which the replacement unpacks from the GPTQ words (that unpacking is this file's
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +34,7 @@ from kernels.moe_base import MoESpec
 from kernels.registry import MOE_KERNELS, choose_kernel
 from services.convert.verify import FP4_MARLIN_FLUSH_REL_BOUND, compare
 from tests.helpers.numerics import rel_err
-from tests.vllm_plugin.vllm_host import vllm_env, vllm_python
+from tests.vllm_plugin.vllm_host import run_in_vllm, vllm_python
 
 # apply vs the fp32 dequantized reference (relative Frobenius error): the kernel's dequantized weight
 # is exact in the act dtype, so only the output rounding (bf16 8 significant bits, fp16 11) and the
@@ -186,21 +184,10 @@ def _moe_input(experts: list[tuple[Fp4Weight, Fp4Weight]], act: str) -> dict[str
 @pytest.fixture(scope="module")
 def vllm_prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
     """vLLM's prepared tensors of every case, from one run of vLLM's venv."""
-    python = vllm_python()
-    work = tmp_path_factory.mktemp("vllm_fp4")
+    vllm_python()  # skips without the venv, before any case is built
     cases = {name: _linear_input(w, act) for name, (w, act) in LINEAR_CASES.items()}
     cases |= {name: _moe_input(experts, act) for name, (experts, act) in MOE_CASES.items()}
-    torch.save(cases, work / "in.pt")
-    proc = subprocess.run(
-        [str(python), "-c", VLLM_SCRIPT, str(work / "in.pt"), str(work / "out.pt")],
-        cwd=Path(__file__).resolve().parents[2],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(work / "out.pt", weights_only=True)
+    return run_in_vllm(VLLM_SCRIPT, cases, tmp_path_factory.mktemp("vllm_fp4"))
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,6 +31,32 @@ def vllm_python() -> Path:
     return path
 
 
+def run_in_vllm(script: str, cases: dict[str, Any], work: Path) -> dict[str, Any]:
+    """`script` run in vLLM's venv on `cases` (torch.save'd to its argv[1]): what it torch.save'd to
+    argv[2] (skips without the venv; its output tail on a failure)."""
+    import torch
+
+    python = vllm_python()
+    torch.save(cases, work / "in.pt")
+    proc = subprocess.run(
+        [str(python), "-c", script, str(work / "in.pt"), str(work / "out.pt")],
+        cwd=REPO, env=vllm_env(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(work / "out.pt", weights_only=True)
+
+
+def split_by_source(
+    results: dict[str, Any], sources: list[str] | tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """`run_in_vllm` results keyed "<source>:<name>" -> {source: {name: result}}."""
+    out: dict[str, dict[str, Any]] = {source: {} for source in sources}
+    for key, value in results.items():
+        source, name = key.split(":", 1)
+        out[source][name] = value
+    return out
+
+
 def vllm_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     env.update({"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_LOGGING_LEVEL": "INFO", **extra})
