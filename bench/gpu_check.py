@@ -286,6 +286,11 @@ MOE_VARIANTS = (
     MoEVariant(
         "fp8_moe_w8a16 channel", "fp8_moe_w8a16", Variant("moe", "fp8_w8a16", "fp8", fp8_strategy="channel")
     ),
+    MoEVariant(
+        "fp8_marlin_moe channel",
+        "fp8_marlin_moe",
+        Variant("moe", "fp8_marlin", "fp8", fp8_strategy="channel"),
+    ),
 )
 
 
@@ -673,10 +678,11 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
 
 
 def moe_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
-    """The fused MoE kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16) with the configs
+    """The fused MoE kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16, fp8_marlin_moe) with the configs
     `moe_config` picks per rows-per-expert bucket; routing-weight epilogue on (the w2 launch)."""
     from kernels.launch import cuda_block_config, fit_to_groups, largest_block_dividing
     from kernels.moe import fp8 as fp8_moe
+    from kernels.moe import fp8_marlin as fp8_marlin_moe
     from kernels.moe import marlin as marlin_moe
 
     act = "bf16"
@@ -696,6 +702,10 @@ def moe_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str],
         "s_expert_stride": "i32", "block_n": "i32", "block_k": "i32", "k_blocks": "i32",
     }  # fmt: skip
     w8a16_sig_fp16 = {**w8a16_sig, "X": "*fp16", "Y": "*fp16"}
+    fp8_marlin_sig = {
+        "X": f"*{act}", "QW": "*i32", "S": f"*{act}", **routing, "N": "i32", "K": "i32", "group_size": "i32",
+        "unbias": "fp32", **moe_ints, "qw_expert_stride": "i32", "s_expert_stride": "i32",
+    }  # fmt: skip
     out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
     int_variants = [(4, True, False, 128), (8, False, True, 128)] + ([] if quick else [(4, False, False, -1)])
     for rows in (1, 64) if quick else (1, 32, 64):
@@ -721,6 +731,14 @@ def moe_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str],
             for arch, sig in ((75, w8a16_sig_fp16), (80, w8a16_sig), (90, w8a16_sig)):  # sm75: fp16 only
                 label = f"fp8_moe_w8a16 rows={rows} block_scales={block_scales}"
                 out.append((label, arch, fp8_moe._w8a16_kernel(), sig, consts, cfg))
+        for group in (-1, 128):  # one scale row (per-tensor / per-channel), 128-wide blocks
+            cfg, per_block = fit_to_groups(base, 4096 if group == -1 else group, act_order=False)
+            consts = dict(
+                GROUPED_SCALES=group != -1, PER_BLOCK_SCALE=per_block, MUL_WEIGHT=True,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_INTERP=False,
+            )  # fmt: skip
+            label = f"fp8_marlin_moe rows={rows} g{group}"
+            out.append((label, 80, fp8_marlin_moe._kernel(), fp8_marlin_sig, consts, cfg))
         cfg = cuda_block_config(rows, "fp8")
         for per_channel in (True, False):
             consts = dict(

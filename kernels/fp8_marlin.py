@@ -57,7 +57,7 @@ class Fp8MarlinKernel(LinearKernel):
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
-        group = _group_size(spec)
+        group = marlin_group_size(spec)
         if spec.fp8_strategy == "block":
             if spec.block_size is None:
                 return False, "block-scaled FP8 layer without block_size in its spec"
@@ -72,7 +72,7 @@ class Fp8MarlinKernel(LinearKernel):
 
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
         n, k, act = spec.n, spec.k, spec.torch_act_dtype
-        group = _group_size(spec)
+        group = marlin_group_size(spec)
         out = {
             "qweight": StoredTensor((k // 16, 4 * n), torch.int32),
             "scales": StoredTensor((1 if group == -1 else k // group, n), act),
@@ -86,7 +86,7 @@ class Fp8MarlinKernel(LinearKernel):
         codes = weight.weight.contiguous().view(torch.uint8)  # (N, K) raw e4m3 bytes
         q_std = pack_rows(codes.T, 8)  # (K // 4, N) int32 == vLLM's pack_fp8_to_int32 + transpose
         scales = _marlin_scales(weight, spec).to(act)  # (G, N), cast first as vLLM does
-        scales = marlin_permute_scales(scales, k, n, _group_size(spec))
+        scales = marlin_permute_scales(scales, k, n, marlin_group_size(spec))
         scales = scales * torch.full_like(scales, 2.0) ** EXPONENT_BIAS[act]  # exact power of two
         out = {"qweight": marlin_repack(q_std, 8), "scales": scales.contiguous()}  # (K // 16, 4 N)
         if weight.bias is not None:
@@ -99,8 +99,12 @@ class Fp8MarlinKernel(LinearKernel):
         w = codes.view(torch.float8_e4m3fn).float()
         scales = tensors["scales"].cpu()
         bias = 2.0 ** -EXPONENT_BIAS[scales.dtype]
-        s = marlin_unpermute_scales(scales, k, n, _group_size(spec)).float() * bias  # (G, N)
-        g = torch.arange(k) // k if _group_size(spec) == -1 else torch.arange(k) // _group_size(spec)
+        s = marlin_unpermute_scales(scales, k, n, marlin_group_size(spec)).float() * bias  # (G, N)
+        g = (
+            torch.arange(k) // k
+            if marlin_group_size(spec) == -1
+            else torch.arange(k) // marlin_group_size(spec)
+        )
         return ((w * s[g]).T.contiguous()).to(tensors["qweight"].device)  # (N, K) fp32
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
@@ -109,7 +113,7 @@ class Fp8MarlinKernel(LinearKernel):
         return fp8_marlin_gemm(x, tensors, spec)
 
 
-def _group_size(spec: LinearSpec) -> int:
+def marlin_group_size(spec: LinearSpec) -> int:
     """Marlin group size: the block width bk for block scales, else -1 (one scale row)."""
     if spec.fp8_strategy == "block" and spec.block_size is not None:
         return spec.block_size[1]
@@ -194,7 +198,7 @@ def fp8_marlin_gemm(
             f"fp8_marlin scales carry the {scales.dtype} exponent bias; activations are {x.dtype}"
         )
     m, n, k = x2.shape[0], spec.n, spec.k
-    group = k if _group_size(spec) == -1 else _group_size(spec)
+    group = k if marlin_group_size(spec) == -1 else marlin_group_size(spec)
     cfg, per_block_scale = fit_to_groups(config or default_config(m, n, k, x.device), group, act_order=False)
     run = GemmLaunch.plan(x, m, n, cfg, tensors)
     return run.launch(

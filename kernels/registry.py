@@ -102,6 +102,7 @@ def _instantiate_moe(obj: object, where: str) -> MoEKernel:
 FUSED_MOE_KERNELS: tuple[str, ...] = (
     "kernels.moe.fp8:Fp8MoEW8A8Kernel",
     "kernels.moe.marlin:MarlinMoEKernel",
+    "kernels.moe.fp8_marlin:Fp8MarlinMoEKernel",
     "kernels.moe.fp8:Fp8MoEW8A16Kernel",
 )
 MOE_KERNELS: dict[str, MoEKernel] = {

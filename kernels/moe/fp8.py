@@ -1,4 +1,5 @@
-"""Fused FP8 expert groups: `fp8_moe_w8a8` (sm89/sm90) and `fp8_moe_w8a16` (sm75 ... sm90).
+"""Fused FP8 expert groups: `fp8_moe_w8a8` (sm89/sm90) and `fp8_moe_w8a16` (sm75 ... sm90; on sm80/sm86
+vLLM runs FP8 experts on Marlin, which kernels/moe/fp8_marlin.py holds).
 
 Layouts are the stacked per-expert layouts of the linear kernels they are based on (expert e's slice
 is exactly what that kernel stores for the expert alone, kernels/moe/stacked.py):
@@ -42,7 +43,7 @@ class Fp8MoEW8A8Kernel(FusedExperts):
 
     inner: ClassVar[Fp8W8A8Kernel] = Fp8W8A8Kernel()
     name: ClassVar[str] = "fp8_moe_w8a8"
-    elsewhere: ClassVar[str] = "sm75/sm80/sm86 have no FP8 tensor cores and use fp8_moe_w8a16"
+    elsewhere: ClassVar[str] = "sm80/sm86 have no FP8 tensor cores and use fp8_marlin_moe, sm75 fp8_moe_w8a16"
     description: ClassVar[str] = (
         "FP8 e4m3 W8A8 experts (per-tensor/channel scales, dynamic per-token activations), fused Triton"
     )

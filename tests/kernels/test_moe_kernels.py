@@ -1,6 +1,6 @@
-"""The fused expert-group kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16) on CPU through the
-Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): apply against the torch twin for every
-variant, routes that leave experts without tokens, expert parallelism, the route sort, the stacked
+"""The fused expert-group kernels (marlin_moe_wna16, fp8_moe_w8a8, fp8_moe_w8a16, fp8_marlin_moe) on CPU
+through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): apply against the torch twin
+for every variant, routes that leave experts without tokens, expert parallelism, the route sort, the stacked
 layouts (Marlin bytes per expert against the independent reference, FP8 requantization per expert),
 can_implement refusals and the registry's choice. Shapes are small (H = 256, I = 128: Marlin needs
 N % 64 == 0 and K % 128 == 0 per expert); each apply is two interpreted grouped GEMM launches.
@@ -215,12 +215,25 @@ FP8_W8A16_CASES = [
     Fp8MoECase("channel", num_experts=8, top_k=1),
     Fp8MoECase("block", block_size=(64, 64), num_experts=8, top_k=2),
 ]
-CASES = {"marlin_moe_wna16": MARLIN_CASES, "fp8_moe_w8a8": FP8_W8A8_CASES, "fp8_moe_w8a16": FP8_W8A16_CASES}
+FP8_MARLIN_CASES = [
+    Fp8MoECase("tensor", num_experts=4, top_k=2),
+    Fp8MoECase("channel", num_experts=8, top_k=1),
+    Fp8MoECase("block", block_size=(64, 64), num_experts=8, top_k=2),
+]
+CASES = {
+    "marlin_moe_wna16": MARLIN_CASES,
+    "fp8_moe_w8a8": FP8_W8A8_CASES,
+    "fp8_moe_w8a16": FP8_W8A16_CASES,
+    "fp8_marlin_moe": FP8_MARLIN_CASES,
+}
 EP_CASES = {
     "marlin_moe_wna16": MARLIN_CASES[1],
     "fp8_moe_w8a8": FP8_W8A8_CASES[0],
     "fp8_moe_w8a16": FP8_W8A16_CASES[0],
+    "fp8_marlin_moe": FP8_MARLIN_CASES[2],
 }
+# the GPU each fused kernel is tested for (sm90 unless it does not run there)
+KERNEL_TARGET = {"fp8_marlin_moe": Target.SM80}
 
 
 def prepared(
@@ -234,7 +247,7 @@ def prepared(
     for _ in range(spec.num_experts):
         w13 = case.w13(dtype, gen)
         w2 = case.weight(H, INTER, dtype, gen) if isinstance(case, IntMoECase) else case.w2(dtype, gen)
-        experts.append(k.prepare_expert(w13, w2, spec, Target.SM90))
+        experts.append(k.prepare_expert(w13, w2, spec, KERNEL_TARGET.get(name, Target.SM90)))
     return k, stack(experts), spec
 
 
@@ -267,7 +280,7 @@ def check(y: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, tol: floa
 @pytest.mark.parametrize(("name", "case", "dtype", "ms"), apply_params())
 def test_apply_matches_reference(name: str, case: Any, dtype: torch.dtype, ms: tuple[int, ...]) -> None:
     k, tensors, spec = prepared(name, case, dtype)
-    assert k.can_implement(spec, Target.SM90) == (True, "")
+    assert k.can_implement(spec, KERNEL_TARGET.get(name, Target.SM90)) == (True, "")
     gen = torch.Generator().manual_seed(7)
     for m in ms:
         x = torch.randn(m, H, generator=gen).to(dtype)
@@ -302,7 +315,7 @@ def test_fp8_w8a8_close_to_unquantized_activations() -> None:
     check(y, unquantized, dtype, MOE_FP8_ACT_QUANT_REL_TOL, "vs unquantized activations")
 
 
-@pytest.mark.parametrize("name", ["marlin_moe_wna16", "fp8_moe_w8a8", "fp8_moe_w8a16"])
+@pytest.mark.parametrize("name", list(EP_CASES))
 def test_expert_parallel_ranks_sum_to_the_layer(name: str) -> None:
     """12 experts split over 3 ranks of 4 (first_expert 0 / 4 / 8): each rank adds only its experts'
     share (ids outside its range contribute nothing), and the ranks' outputs sum to the whole layer."""
@@ -562,13 +575,21 @@ def test_fp8_moe_refusals() -> None:
     assert w8a16.can_implement(block, Target.SM80) == (True, "")
     assert w8a16.can_implement(Fp8MoECase("tensor").spec(torch.float16), Target.SM75) == (True, "")
     refusals = [
-        (w8a8, channel, Target.SM86, "fp8_moe_w8a16"),
+        (w8a8, channel, Target.SM86, "fp8_marlin_moe"),
         (w8a8, block, Target.SM90, "block"),
         (w8a8, int_moe_spec(), Target.SM90, "int"),
         (w8a16, channel, Target.SM75, "float16"),  # sm75: no bf16 tensor cores
         (w8a16, channel, Target.CPU, "cpu_fp8_experts"),
         (w8a16, Fp8MoECase("block", block_size=(128, 24)).spec(torch.float16), Target.SM80, "multiple of 16"),
     ]
+    marlin = kernel("fp8_marlin_moe")
+    assert marlin.can_implement(block, Target.SM80) == (True, "")
+    refusals += [
+        (marlin, block, Target.SM89, "sm89/sm90 use fp8_moe_w8a8"),
+        (marlin, Fp8MoECase("block", block_size=(128, 48)).spec(torch.bfloat16), Target.SM80, "Marlin group"),
+        (marlin, dataclasses.replace(channel, w13=dataclasses.replace(channel.w13, has_bias=True)),
+         Target.SM80, "expert biases"),
+    ]  # fmt: skip
     for k, spec, target, needle in refusals:
         ok, reason = k.can_implement(spec, target)
         assert not ok and needle in reason, (k.name, target, needle, reason)
@@ -577,9 +598,10 @@ def test_fp8_moe_refusals() -> None:
 def test_registry_picks_the_fused_kernels() -> None:
     from kernels.registry import FUSED_MOE_KERNELS, MOE_KERNELS, choose_moe_kernel
 
-    fused = {"marlin_moe_wna16", "fp8_moe_w8a8", "fp8_moe_w8a16"}
-    assert len(FUSED_MOE_KERNELS) == 3 and fused <= set(MOE_KERNELS)
-    assert {MOE_KERNELS[n].based_on for n in fused} == {"marlin_wna16", "fp8_w8a8", "fp8_w8a16"}
+    fused = {"marlin_moe_wna16", "fp8_moe_w8a8", "fp8_moe_w8a16", "fp8_marlin_moe"}
+    assert len(FUSED_MOE_KERNELS) == 4 and fused <= set(MOE_KERNELS)
+    bases = {"marlin_wna16", "fp8_w8a8", "fp8_w8a16", "fp8_marlin"}
+    assert {MOE_KERNELS[n].based_on for n in fused} == bases
     int4 = int_moe_spec()
     assert choose_moe_kernel(int4, Target.SM90).kernel.name == "marlin_moe_wna16"
     int4_fp16 = int_moe_spec(dtype=torch.float16)  # sm75 runs float16 only
@@ -593,7 +615,9 @@ def test_registry_picks_the_fused_kernels() -> None:
     channel = Fp8MoECase("channel").spec(torch.bfloat16)
     block = Fp8MoECase("block", block_size=(128, 128)).spec(torch.bfloat16)
     assert choose_moe_kernel(channel, Target.SM90).kernel.name == "fp8_moe_w8a8"
-    assert choose_moe_kernel(channel, Target.SM80).kernel.name == "fp8_moe_w8a16"
+    assert choose_moe_kernel(channel, Target.SM80).kernel.name == "fp8_marlin_moe"  # vLLM: Marlin
+    assert choose_moe_kernel(block, Target.SM86).kernel.name == "fp8_marlin_moe"
+    assert choose_moe_kernel(block, Target.SM89).kernel.name == "fp8_moe_w8a16"  # vLLM: Triton
     assert choose_moe_kernel(block, Target.SM90).kernel.name == "fp8_moe_w8a16"
     disabled = choose_moe_kernel(int4, Target.SM90, disabled=["marlin_wna16"])
     assert disabled.kernel.name == "gptq_wna16_experts"
