@@ -65,16 +65,3 @@ def build_gpt_oss_mxfp4(cache: Path | None = None, name: str = "gpt-oss") -> Pat
     """A tiny gpt-oss (moe.SPECS[name]) with its experts in native MXFP4 (once per cache)."""
     source = build_source(name, cache)
     return smollm2._cached_build(f"{source.name}--native-mxfp4-v1", cache, lambda out: _write(source, out))
-
-
-def dequantized_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The stacked MXFP4 experts of a native checkpoint as transformers' bf16 model names them
-    (x @ W, fp32), dequantized by transformers' `convert_moe_packed_tensors`."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    out: dict[str, torch.Tensor] = {}
-    for name, blocks in tensors.items():
-        if name.endswith("_blocks"):
-            stem = name.removesuffix("_blocks")
-            out[stem] = convert_moe_packed_tensors(blocks, tensors[f"{stem}_scales"], dtype=torch.float32)
-    return out
