@@ -295,3 +295,28 @@ def test_an_unknown_stacked_tensor_is_named(gpt_oss_bf16: Path, tmp_path: Path) 
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"model.layers.0.mlp.experts.gate_up_proj_extra: unknown kind"):
         plan(str(copy), "cpu")
+
+
+def test_tp_ranks_hold_their_interleaved_rows_padded(gpt_oss_mxfp4: Path, tmp_path: Path) -> None:
+    """tp=2 on sm80: each rank's I = 64 is padded to Marlin's 128. Rank r's w13 is the checkpoint's
+    interleaved gate/up rows of its intermediate half (a contiguous run of the stacked rows, as vLLM
+    slices them), then zero rows; its w2 the matching input columns, then zero columns."""
+    (result,) = convert(ConversionRequest(str(gpt_oss_mxfp4), ["sm80"], out=str(tmp_path), tp=2))
+    artifact = tmp_path / result.manifest.artifact_id
+    group, h, i = EXPERT_GROUPS[0], HIDDEN, INTER // 2
+    blocks = _stacked(gpt_oss_mxfp4, f"{group}.gate_up_proj_blocks")[1]
+    scales = _stacked(gpt_oss_mxfp4, f"{group}.gate_up_proj_scales")[1]
+    down_blocks = _stacked(gpt_oss_mxfp4, f"{group}.down_proj_blocks")[1]
+    down_scales = _stacked(gpt_oss_mxfp4, f"{group}.down_proj_scales")[1]
+    down = Fp4Weight(unpack_fp4(down_blocks.reshape(h, -1)), down_scales, "mxfp4").dequantize()  # (H, I)
+    for rank in (0, 1):
+        entry = Manifest.load(artifact).expert_groups[group]
+        spec = entry.moe_spec()
+        with safe_open(str(artifact / f"rank{rank}.safetensors"), "pt") as f:
+            tensors = {n: f.get_tensor(f"{group}.{n}") for n in entry.tensors}
+        assert (spec.model_intermediate, spec.intermediate, spec.hidden) == (i, 128, h)
+        w13, w2 = MOE_KERNELS[entry.kernel].dequantize_expert(tensors, spec, 1)
+        rows = slice(2 * i * rank, 2 * i * (rank + 1))
+        want = Fp4Weight(unpack_fp4(blocks[rows].reshape(2 * i, -1)), scales[rows], "mxfp4").dequantize()
+        assert torch.equal(w13[: 2 * i], want) and not w13[2 * i :].any()
+        assert torch.equal(w2[:, :i], down[:, i * rank : i * (rank + 1)]) and not w2[:, i:].any()

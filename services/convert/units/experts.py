@@ -195,7 +195,8 @@ class ExpertGroupUnit:
         tp = len(self.specs)
         name = self.name
         if not (self.expert_parallel or tp == 1):
-            rows = RowRange(rank * spec.intermediate, spec.intermediate)
+            i = spec.model_intermediate  # this rank's share of the checkpoint's rows (before any padding)
+            rows = RowRange(rank * i, i)
             gate, up = slice_rows(gate, rows, f"{name} gate"), slice_rows(up, rows, f"{name} up")
             down = slice_cols(down, rank, tp, f"{name} down")
         w13 = fuse([gate, up], ["gate", "up"])
