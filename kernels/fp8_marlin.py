@@ -147,11 +147,37 @@ def _marlin_scales(weight: Fp8Weight, spec: LinearSpec) -> torch.Tensor:
 
 
 @triton_builder
+def fp8_marlin_weights(tl: ModuleType) -> Any:
+    """`@triton.jit` fp8_marlin_weights(...): the (BLOCK_K, BLOCK_N) fp32 weights of one K block of
+    the FP8-Marlin layout: e4m3 bytes decoded exactly from the Marlin tiles, times their scales with
+    the exponent bias divided back out (`unbias`); the linear and the MoE kernels share it."""
+    e4m3_to_f32 = fp8_tiles()[0]
+    marlin_codes = marlin_tiles()[1]
+
+    def fp8_marlin_weights(
+        QW, S, it, offs_k, mask_kn, mask_n, col_n, shift_n, s_col, N, group_size, unbias,
+        PER_BLOCK_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        v = e4m3_to_f32(marlin_codes(QW, offs_k, mask_kn, col_n, shift_n, N, 8))  # e4m3 bit patterns
+        if PER_BLOCK_SCALE:
+            g = (it * BLOCK_K) // group_size
+            s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
+            w = v * s[None, :]
+        else:
+            g = offs_k // group_size
+            s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+            w = v * (s * unbias)
+        return w
+
+    return jit(fp8_marlin_weights)
+
+
+@triton_builder
 def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
-    e4m3_to_f32 = fp8_tiles()[0]
-    marlin_n_terms, marlin_codes, _ = marlin_tiles()
+    marlin_n_terms = marlin_tiles()[0]
+    weights = fp8_marlin_weights()
 
     def fp8_marlin_kernel(
         X, QW, S, BIAS, Y,
@@ -169,15 +195,10 @@ def _kernel(tl: ModuleType) -> Any:
         for it in range(k_begin, k_end):
             x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
             mask_kn = mask_k[:, None] & mask_n[None, :]
-            v = e4m3_to_f32(marlin_codes(QW, offs_k, mask_kn, col_n, shift_n, N, 8))  # e4m3 bit patterns
-            if PER_BLOCK_SCALE:
-                g = (it * BLOCK_K) // group_size
-                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
-                w = v * s[None, :]
-            else:
-                g = offs_k // group_size
-                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-                w = v * (s * unbias)
+            w = weights(
+                QW, S, it, offs_k, mask_kn, mask_n, col_n, shift_n, s_col, N, group_size, unbias,
+                PER_BLOCK_SCALE, BLOCK_K,
+            )  # fmt: skip
             if not BF16_INTERP:
                 w = w.to(act)
             acc += tl.dot(x, w)

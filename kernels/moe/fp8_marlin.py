@@ -20,8 +20,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from kernels.errors import LayoutError
-from kernels.fp8_marlin import EXPONENT_BIAS, Fp8MarlinKernel, marlin_group_size
-from kernels.fp8_tiles import fp8_tiles
+from kernels.fp8_marlin import EXPONENT_BIAS, Fp8MarlinKernel, fp8_marlin_weights, marlin_group_size
 from kernels.jit import jit, triton_builder
 from kernels.launch import fit_to_groups
 from kernels.marlin_tiles import marlin_tiles
@@ -64,8 +63,8 @@ class Fp8MarlinMoEKernel(FusedExperts):
 @triton_builder
 def _kernel(tl: ModuleType) -> Any:
     moe_tile, store_slots = moe_tiles()
-    marlin_n_terms, marlin_codes, _ = marlin_tiles()
-    e4m3_to_f32 = fp8_tiles()[0]
+    marlin_n_terms = marlin_tiles()[0]
+    weights = fp8_marlin_weights()
 
     def fp8_marlin_moe_kernel(
         X, QW, S, SORTED, BLOCK_EXPERT, TOPK_W, Y,
@@ -93,15 +92,10 @@ def _kernel(tl: ModuleType) -> Any:
             if BF16_INTERP:
                 x = x.to(tl.float32)
             mask_kn = mask_k[:, None] & mask_n[None, :]
-            v = e4m3_to_f32(marlin_codes(QW, offs_k, mask_kn, col_n, shift_n, N, 8))  # e4m3 bit patterns
-            if PER_BLOCK_SCALE:
-                g = (it * BLOCK_K) // group_size
-                s = tl.load(S + g * N + s_col, mask=mask_n, other=0.0).to(tl.float32) * unbias
-                w = v * s[None, :]
-            else:
-                g = offs_k // group_size
-                s = tl.load(S + g[:, None] * N + s_col[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-                w = v * (s * unbias)
+            w = weights(
+                QW, S, it, offs_k, mask_kn, mask_n, col_n, shift_n, s_col, N, group_size, unbias,
+                PER_BLOCK_SCALE, BLOCK_K,
+            )  # fmt: skip
             if not BF16_INTERP:
                 w = w.to(act)
             acc += tl.dot(x, w)

@@ -21,24 +21,12 @@ from safetensors import safe_open
 
 from runtime.artifact.manifest import Manifest
 from services.convert.library import ConversionRequest, convert
-from tests.vllm_plugin.vllm_host import run_in_vllm, split_by_source, vllm_python
+from tests.vllm_plugin.vllm_host import MARLIN_REPACK_PRELUDE, run_in_vllm, split_by_source, vllm_python
 
-VLLM_SCRIPT = r"""
-import sys, types
-import torch
-import vllm._custom_ops as ops
+VLLM_SCRIPT = (
+    MARLIN_REPACK_PRELUDE
+    + r"""
 from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8 as fp8
-from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
-
-
-def repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
-    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
-    codes = (b_q_weight[:, None, :] >> shifts[None, :, None]) & ((1 << num_bits) - 1)
-    codes = codes.reshape(size_k, size_n)
-    return marlin_weights(codes, size_k, size_n, num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
-
-
-ops.gptq_marlin_repack = repack
 out = {}
 for name, c in torch.load(sys.argv[1], weights_only=True).items():
     e, two_i, h = c["w13"].shape
@@ -51,6 +39,7 @@ for name, c in torch.load(sys.argv[1], weights_only=True).items():
     out[name] = {"w13.qweight": w13, "w2.qweight": w2, "w13.scales": s13, "w2.scales": s2}
 torch.save(out, sys.argv[2])
 """
+)
 # source fixture -> (its expert groups, block size or None for per-channel scales)
 SOURCES: dict[str, tuple[tuple[str, ...], list[int] | None]] = {
     "qwen3_moe_fp8_dynamic": (("model.layers.0.mlp.experts", "model.layers.2.mlp.experts"), None),

@@ -26,7 +26,7 @@ from runtime.artifact.manifest import Manifest
 from runtime.model_layout import ModelConfig
 from services.convert.library import ConversionRequest, convert, open_and_detect, plan
 from services.convert.stacked_experts import StackedExpertsCheckpoint
-from tests.vllm_plugin.vllm_host import run_in_vllm, split_by_source, vllm_python
+from tests.vllm_plugin.vllm_host import MARLIN_REPACK_PRELUDE, run_in_vllm, split_by_source, vllm_python
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 256, 128
 # Marlin group vs cpu_fp4 group on the same bf16 tokens: the same exact weights, outputs rounded to
@@ -129,22 +129,13 @@ def test_the_cli_plans_gpt_oss_for_sm80(gpt_oss_mxfp4: Path) -> None:
 # `prepare_moe_mxfp4_layer_for_marlin` (the gpt-oss Marlin path). `gptq_marlin_repack` is CUDA-only:
 # replaced by vLLM's own pure-Python test helper as tests/kernels/test_marlin_fp4.py does; the padded
 # sizes are vLLM's own `mxfp4_round_up_hidden_size_and_intermediate_size` for its MARLIN backend.
-VLLM_SCRIPT = r"""
-import sys, types
-import torch
-import vllm._custom_ops as ops
+VLLM_SCRIPT = (
+    MARLIN_REPACK_PRELUDE
+    + r"""
 from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
     Mxfp4MoeBackend, mxfp4_round_up_hidden_size_and_intermediate_size,
 )
 from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4 as fp4
-from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
-
-
-def repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
-    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
-    codes = (b_q_weight[:, None, :] >> shifts[None, :, None]) & ((1 << num_bits) - 1)
-    codes = codes.reshape(size_k, size_n)
-    return marlin_weights(codes, size_k, size_n, num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
 
 
 def placed(t, shape, dtype):
@@ -153,7 +144,6 @@ def placed(t, shape, dtype):
     return param
 
 
-ops.gptq_marlin_repack = repack
 out = {}
 for name, c in torch.load(sys.argv[1], weights_only=True).items():
     e, two_i, h2 = c["w13"].shape
@@ -172,6 +162,7 @@ for name, c in torch.load(sys.argv[1], weights_only=True).items():
                  "w13.bias": b13, "w2.bias": b2}
 torch.save(out, sys.argv[2])
 """
+)
 # source fixture -> (H, I) of the model
 MARLIN_SOURCES = {"gpt_oss_mxfp4": (HIDDEN, INTER), "gpt_oss_padded_mxfp4": (320, 96)}
 

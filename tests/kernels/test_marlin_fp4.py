@@ -7,8 +7,8 @@ same weights: `prepare_fp4_layer_for_marlin` (linear) and `prepare_moe_fp4_layer
 expert group), which call its `marlin_permute_scales`, `nvfp4_marlin_process_scales`,
 `nvfp4_marlin_process_global_scale`, `mxfp4_marlin_process_scales` and `marlin_permute_bias`.
 `gptq_marlin_repack` is a CUDA op absent from the CPU build: it is replaced there by vLLM's own pure
-Python test helper (`marlin_utils_test.marlin_weights` with `get_weight_perm`) applied to the codes,
-which the replacement unpacks from the GPTQ words (that unpacking is this file's transcription).
+Python test helper (`marlin_utils_test.marlin_weights` with `get_weight_perm`) applied to the codes
+(tests/vllm_plugin/vllm_host.py `MARLIN_REPACK_PRELUDE`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kernels.moe_base import MoESpec
 from kernels.registry import MOE_KERNELS, choose_kernel
 from services.convert.verify import FP4_MARLIN_FLUSH_REL_BOUND, compare
 from tests.helpers.numerics import rel_err
-from tests.vllm_plugin.vllm_host import run_in_vllm, vllm_python
+from tests.vllm_plugin.vllm_host import MARLIN_REPACK_PRELUDE, run_in_vllm, vllm_python
 
 # apply vs the fp32 dequantized reference (relative Frobenius error): the kernel's dequantized weight
 # is exact in the act dtype, so only the output rounding (bf16 8 significant bits, fp16 11) and the
@@ -46,22 +46,10 @@ GLOBAL = 1.0 / 3 * 2.0**-8  # amax / (6 * 448)-like, not a power of two
 EXPERTS, HIDDEN, INTER = 3, 128, 128
 
 # Runs in vLLM's venv: argv[1] the cases (torch.save), argv[2] where to write vLLM's tensors.
-VLLM_SCRIPT = r"""
-import sys, types
-import torch
-import vllm._custom_ops as ops
+VLLM_SCRIPT = (
+    MARLIN_REPACK_PRELUDE
+    + r"""
 from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4 as fp4
-from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
-
-
-def repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
-    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
-    codes = (b_q_weight[:, None, :] >> shifts[None, :, None]) & ((1 << num_bits) - 1)
-    codes = codes.reshape(size_k, size_n)
-    return marlin_weights(codes, size_k, size_n, num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
-
-
-ops.gptq_marlin_repack = repack
 P = lambda t: torch.nn.Parameter(t, requires_grad=False)
 out = {}
 for name, c in torch.load(sys.argv[1], weights_only=True).items():
@@ -93,6 +81,7 @@ for name, c in torch.load(sys.argv[1], weights_only=True).items():
     out[name] = {key: getattr(layer, key).data for key in keys if getattr(layer, key, None) is not None}
 torch.save(out, sys.argv[2])
 """
+)
 
 
 # --------------------------------------------------------------------------------------------

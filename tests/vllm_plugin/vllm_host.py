@@ -31,6 +31,27 @@ def vllm_python() -> Path:
     return path
 
 
+# Prepended to a `run_in_vllm` script that calls vLLM's Marlin preparation: `gptq_marlin_repack` is a
+# CUDA op the CPU build lacks, replaced by vLLM's own pure-Python test packer on the unpacked codes
+# (that unpacking is this file's transcription).
+MARLIN_REPACK_PRELUDE = r"""
+import sys, types
+import torch
+import vllm._custom_ops as ops
+from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+
+
+def repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
+    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
+    codes = (b_q_weight[:, None, :] >> shifts[None, :, None]) & ((1 << num_bits) - 1)
+    codes = codes.reshape(size_k, size_n)
+    return marlin_weights(codes, size_k, size_n, num_bits, get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
+
+
+ops.gptq_marlin_repack = repack
+"""
+
+
 def run_in_vllm(script: str, cases: dict[str, Any], work: Path) -> dict[str, Any]:
     """`script` run in vLLM's venv on `cases` (torch.save'd to its argv[1]): what it torch.save'd to
     argv[2] (skips without the venv; its output tail on a failure)."""
