@@ -3,7 +3,7 @@ kernel, an RMSNorm, and the per-forward context (KV cache, rope tables, decode p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +71,25 @@ class ForwardContext:
     read_len: int = 0
     mask: torch.Tensor | None = None  # (B, 1, 1, read_len) bool, None when B == 1
     single: tuple[int, int] | None = None  # decode with B == 1: (slot, position)
+    # (Q, keys) bool masks by sliding window (None: causal only), made by the first layer that asks
+    _visible: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def visible(self, window: int | None, keys: int, device: torch.device) -> torch.Tensor:
+        """(Q, keys) bool: key s visible from the query at position p when s <= p and p - s < window.
+        Queries: positions 0..keys-1 at prefill, each sequence's new token at decode. One mask per
+        window per forward, shared by every layer with that window."""
+        mask = self._visible.get(window)
+        if mask is None:
+            if self.prefill_slot is not None:
+                p = torch.arange(keys, device=device)
+            elif self.single is not None:
+                p = torch.tensor([self.single[1]], device=device)
+            else:
+                assert self.positions is not None
+                p = self.positions.to(device)
+            s = torch.arange(keys, device=device)[None, :]
+            mask = s <= p[:, None]
+            if window is not None:
+                mask &= p[:, None] - s < window
+            self._visible[window] = mask
+        return mask

@@ -85,16 +85,6 @@ def residual_dtype(act_dtype: torch.dtype, device: torch.device | str) -> torch.
 # ------------------------------------------------------------------------------------------------
 
 
-def attention_mask(
-    query_positions: torch.Tensor, keys: int, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """(Q, keys) bool: key s visible from a query at position p when s <= p (and p - s < window)."""
-    s = torch.arange(keys, device=device)[None, :]
-    p = query_positions[:, None]
-    visible = s <= p
-    return visible & (p - s < window) if window is not None else visible
-
-
 def sink_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, visible: torch.Tensor | None
 ) -> torch.Tensor:
@@ -152,8 +142,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             cache.write_prefill(self.layer_idx, ctx.prefill_slot, k[0], v[0])
             if self.sinks is not None or self.window is not None:
-                visible = attention_mask(torch.arange(t, device=q.device), t, self.window, q.device)
-                out = self._masked(q, k, v, visible).to(v.dtype)
+                out = self._masked(q, k, v, ctx.visible(self.window, t, q.device)).to(v.dtype)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         else:  # one new token per sequence at its own position
@@ -167,10 +156,10 @@ class Attention(nn.Module):
                 cache.write_decode(self.layer_idx, ctx.slots, ctx.positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read_as(self.layer_idx, ctx.read_slots, ctx.read_len, ctx.attn_dtype)
             if self.sinks is not None or self.window is not None:
-                positions = ctx.positions if ctx.single is None else torch.tensor([ctx.single[1]])
-                assert positions is not None
-                visible = attention_mask(positions.to(keys.device), ctx.read_len, self.window, keys.device)
-                out = self._masked(q, keys, values, visible[:, None, None, :]).to(v.dtype)
+                visible = ctx.visible(self.window, ctx.read_len, keys.device)[
+                    :, None, None, :
+                ]  # (B, 1, 1, S)
+                out = self._masked(q, keys, values, visible).to(v.dtype)
             else:
                 out = F.scaled_dot_product_attention(
                     q.to(keys.dtype), keys, values, attn_mask=ctx.mask, enable_gqa=True
