@@ -16,11 +16,12 @@ broadcast so that all ranks stay in lockstep even when sampling.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,6 +30,7 @@ import torch
 from runtime.kv_cache import CALIBRATION_TEXT, KVCache
 from runtime.loader import LoadedModel
 from runtime.model_layout import kv_cache_geometry
+from runtime.native_decode import native_decoder
 from runtime.sampling import (
     NO_TOKEN,
     InvalidRequestError,
@@ -181,6 +183,20 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside the block (a no-op when it already is)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_num_seqs: int = 8, max_model_len: int | None = None) -> None:
         settings = get_settings()
@@ -211,6 +227,17 @@ class Engine:
             device=loaded.device,
             values=geometry.values,
         )
+        self.decode = self.model.decode
+        self._decode_torch_threads = torch.get_num_threads()
+        if settings.decode_step == "native":
+            native = native_decoder(
+                self.model, self.cache, threads=torch.get_num_threads(), spin_us=settings.decode_spin_us
+            )
+            if native is not None:
+                self.decode = native.decode
+                # the step's own threads compute; torch's ops around it (sampling) take one, so that
+                # torch's OpenMP threads do not spin on the cores the step's threads run on
+                self._decode_torch_threads = 1
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._inbox: deque[_Sequence] = deque()
@@ -312,10 +339,9 @@ class Engine:
             tokens = torch.tensor(
                 [s.output_ids[-1] for s in batch], dtype=torch.long, device=self.model.device
             )
-            logits = self.model.decode(
-                tokens, [s.slot for s in batch], [s.position for s in batch], self.cache
-            )
-            new_tokens, lps = sample(logits, [self._sampler_row(s) for s in batch])
+            with torch_threads(self._decode_torch_threads):
+                logits = self.decode(tokens, [s.slot for s in batch], [s.position for s in batch], self.cache)
+                new_tokens, lps = sample(logits, [self._sampler_row(s) for s in batch])
             new_tokens = self._sync_tokens(new_tokens)
             for seq, tok, lp in zip(batch, new_tokens, lps, strict=True):
                 outputs.append(self._append_token(seq, tok, lp) if tok != NO_TOKEN else self._fail_row(seq))

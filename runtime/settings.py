@@ -41,6 +41,11 @@ class RuntimeSettings(BaseSettings):
 
     # --- serving ---------------------------------------------------------------------------------
     num_threads: int = 0  # 0: torch default
+    # the decode step: "native" (runtime/native_decode.py; models it does not cover decode eagerly)
+    # or "eager" (torch ops from Python: the reference)
+    decode_step: Literal["native", "eager"] = "native"
+    # native step: how long its threads spin for the next step before they sleep
+    decode_spin_us: int = Field(default=2000, ge=0, le=1_000_000)
     serve_max_request_bytes: int = Field(default=8 << 20, gt=0)  # `kiln serve` bodies over this: 413
     # Both servers (`kiln serve`, `kiln api`): a request body must arrive whole within this many
     # seconds, with no pause over the idle timeout; else 408 and the connection is closed.

@@ -6,12 +6,18 @@ from __future__ import annotations
 import logging
 import sys
 
-import typer
+from runtime.startup import import_torch
 
-from kernels.errors import KilnError
-from runtime.cli import register as register_runtime
-from services.convert.cli import register as register_convert
-from services.ops_cli import register as register_ops
+# Every command's modules import torch: import it first and freeze what it leaves alive, so that
+# the imports after it (and a runtime command's load) run no collection over torch's objects.
+import_torch()
+
+import typer  # noqa: E402
+
+from kernels.errors import KilnError  # noqa: E402
+from runtime.cli import register as register_runtime  # noqa: E402
+from services.convert.cli import register as register_convert  # noqa: E402
+from services.ops_cli import register as register_ops  # noqa: E402
 
 app = typer.Typer(
     name="kiln",

@@ -103,6 +103,10 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
         common["rope_parameters"] = {"rope_type": "default", "rope_theta": 100000.0}
         common["tie_word_embeddings"] = True
         model_type = "llama"
+    elif arch == "qwen3":  # RMSNorm on every q and k head
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+        common["head_dim"] = 32
+        model_type = "qwen3"
     else:
         raise ValueError(arch)
     common.update(overrides)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kernels import native_build
 from kernels.base import Fp8Weight
 from kernels.codecs import E4M3_MAX, quantize_fp8, requantize_to_max_scale, round_to_e4m3_grid
 from kernels.codecs import native_fp8 as native_fp8_module
@@ -215,7 +216,7 @@ def test_round_to_e4m3_grid_needs_float32() -> None:
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Quantize with torch ops: the native library reads as unavailable."""
-    monkeypatch.setitem(native_fp8_module._state, "lib", None)
+    monkeypatch.setitem(native_fp8_module.LIBRARY._state, "lib", None)
 
 
 def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
@@ -280,12 +281,12 @@ def test_without_a_compiler_it_warns_once_and_quantizes_with_torch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv(native_fp8_module.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(native_fp8_module, "_state", {})
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native_fp8_module.LIBRARY, "_state", {})
     w = _edge_rows(torch.bfloat16)
-    with caplog.at_level("WARNING", logger=native_fp8_module.__name__):
+    with caplog.at_level("WARNING", logger=native_build.__name__):
         first = quantize_fp8(w, "tensor")
         second = quantize_fp8(w, "tensor")
     warnings = [r for r in caplog.records if "native FP8 quantizer unavailable" in r.getMessage()]
-    assert len(warnings) == 1 and native_fp8_module._state == {"lib": None}
+    assert len(warnings) == 1 and native_fp8_module.LIBRARY._state == {"lib": None}
     assert torch.equal(_bytes(first.weight), _bytes(second.weight))

@@ -1,0 +1,938 @@
+/* One decode step of a dense Llama-family model (Llama, Mistral, Qwen2, Qwen3) in one native call.
+ *
+ * The eager forward (runtime/model.py) is the reference: this file computes the same step with the
+ * same rounding points — activations rounded to the model's activation dtype (bf16) at every linear
+ * layer's input and output, an fp32 residual stream, RoPE / attention / SwiGLU in fp32, the KV cache
+ * written in its own dtype (bf16, fp32 or e4m3 with a per-layer scale) — but without per-op dispatch:
+ * every thread of a small spinning pool runs the whole step, splitting each layer's output rows,
+ * with a barrier between dependent phases.
+ *
+ * Weights are read where the loader mapped them, in the layouts the CPU kernels store:
+ *   INT4   kernels/cpu_int4.py: torch's CPU int4 pack (N, K/2) uint8 in row blocks of `block_n`,
+ *          for each k the block's bytes hold rows (d, d + block_n/2) ("split") or (2d, 2d + 1);
+ *          scales_and_zeros (K/op_group, N, 2) bf16; optional exact zero offsets (G, N) fp32.
+ *   INT8   kernels/cpu_int8.py: (N, K) int8 and (N,) bf16 scales.
+ *   F32 / BF16 / F16  dense (N, K) weights (F16: a tied fp16 embedding as the LM head).
+ * Built by runtime/native_decode.py with the machine's compiler; `target_clones` picks the
+ * AVX-512, AVX2 or baseline body of each hot loop on the CPU that loads it.
+ */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MAX_THREADS 64
+#define MAX_BATCH 256
+#ifndef DOTS_PREFETCH_BYTES
+#define DOTS_PREFETCH_BYTES 8192
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 6144 /* how far ahead of the int4 stream a step asks for its weights */
+#endif
+
+/* the widest body this CPU runs, read once (kiln_pool_start / the first step) */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static int isa = ISA_SCALAR;
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+static int detected_isa = ISA_SCALAR;
+
+static void detect_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        detected_isa = ISA_AVX512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        detected_isa = ISA_AVX2;
+    isa = detected_isa;
+}
+
+/* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512; tests run each one): the one set. */
+int kiln_set_isa(int cap) {
+    pthread_once(&isa_once, detect_isa);
+    isa = cap < detected_isa ? cap : detected_isa;
+    return isa;
+}
+
+enum { W_INT4 = 0, W_INT8 = 1, W_F32 = 2, W_BF16 = 3, W_F16 = 4 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+
+typedef struct {
+    int32_t kind, n, k;
+    int32_t block_n, split, op_group; /* INT4 */
+    int32_t zo_groups;                /* INT4: rows of zero_offsets, 0 when none */
+    int32_t round_out;                /* round the output to bf16 */
+    const void *weight;               /* INT4 (N, K/2) u8 | INT8 (N, K) i8 | (N, K) f32 / bf16 */
+    const uint16_t *scales;           /* INT4 (K/op_group, N, 2) bf16 | INT8 (N,) bf16 */
+    const float *zero_offsets;        /* INT4 (zo_groups, N) */
+    const float *bias;                /* (N,) or NULL */
+} kiln_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* (hidden,) */
+    const float *q_norm, *k_norm;        /* (head_dim,) or NULL */
+    kiln_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* (slots, kv_heads, max_len, head_dim) */
+    float k_scale, v_scale;  /* FP8 cache */
+} kiln_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, max_len, vocab;
+    int32_t kv_kind, round_act, embed_kind, head_round_in; /* embed_kind: W_F32, W_BF16 or W_F16 */
+    float eps, attn_scale;
+    const void *embed;               /* (vocab, hidden) bf16 or f32 */
+    const float *final_norm;         /* (hidden,) */
+    const float *cos, *sin;          /* (max_len, head_dim): cos|cos, -sin|sin */
+    const kiln_linear *head;         /* the LM head (round_out 0: fp32 logits) */
+    const kiln_layer *layers;
+} kiln_model;
+
+/* ---------------------------------------------------------------- numbers */
+
+typedef union {
+    float f;
+    uint32_t u;
+} bits32;
+static inline uint32_t f2u(float x) { return ((bits32){.f = x}).u; }
+static inline float u2f(uint32_t u) { return ((bits32){.u = u}).f; }
+static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even; NaN stays NaN */
+    uint32_t u = f2u(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+static float e4m3_table[256];
+static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
+
+static void make_e4m3_table(void) {
+    for (int b = 0; b < 256; b++) {
+        int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if (e == 15 && m == 7) v = NAN;
+        e4m3_table[b] = s ? -v : v;
+    }
+}
+
+/* fp32 -> e4m3fn byte, round to nearest even, saturated to +-448 (the cache clamps first) */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t xb = f2u(x), sign = (xb >> 24) & 0x80u;
+    if ((xb & 0x7fffffffu) > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    float c = fminf(fmaxf(x, -448.0f), 448.0f);
+    uint32_t a = f2u(c) & 0x7fffffffu;
+    if (a >= 0x3c800000u) { /* normal: RNE to 3 mantissa bits */
+        uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+        return (uint8_t)(sign | ((((r >> 23) - 120u) << 3) | ((r >> 20) & 7u)));
+    }
+    float scaled = u2f(a) * 512.0f; /* subnormal: a multiple of 2^-9 */
+    float rounded = (scaled + 8388608.0f) - 8388608.0f;
+    return (uint8_t)(sign | (uint32_t)(int32_t)rounded);
+}
+
+/* ---------------------------------------------------------------- thread pool */
+
+typedef void (*job_fn)(void *arg, int tid, int nthreads);
+
+static struct {
+    int nthreads, spin_us;
+    pthread_t threads[MAX_THREADS];
+    _Atomic uint32_t generation;
+    _Atomic int finished, sleeping, ready;
+    uint32_t start_generation;
+    _Atomic int barrier_count;
+    _Atomic uint32_t barrier_phase;
+    job_fn fn;
+    void *arg;
+    pthread_mutex_t lock;
+} pool = {.nthreads = 1, .lock = PTHREAD_MUTEX_INITIALIZER};
+
+static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER; /* one step at a time on the pool */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t value) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+}
+
+/* Every thread of a step meets here between dependent phases (spinning: phases last microseconds). */
+static void barrier(int nthreads) {
+    if (nthreads == 1) return;
+    uint32_t phase = atomic_load_explicit(&pool.barrier_phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.barrier_count, 1, memory_order_acq_rel) == nthreads - 1) {
+        atomic_store_explicit(&pool.barrier_count, 0, memory_order_relaxed);
+        atomic_store_explicit(&pool.barrier_phase, phase + 1, memory_order_release);
+    } else {
+        while (atomic_load_explicit(&pool.barrier_phase, memory_order_acquire) == phase) cpu_relax();
+    }
+}
+
+/* A worker spins for `spin_us` after each step (decode steps come back to back), then sleeps.
+ * It starts from the generation the pool had when it was made: a step started before the thread
+ * first runs is still its to join. */
+static void *worker_main(void *p) {
+    int tid = (int)(intptr_t)p;
+    uint32_t seen = pool.start_generation;
+    atomic_fetch_add(&pool.ready, 1);
+    for (;;) {
+        uint64_t start = now_ns(), budget = (uint64_t)pool.spin_us * 1000ull;
+        uint32_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+            cpu_relax();
+            if (++spins < 256) continue;
+            spins = 0;
+            if (now_ns() - start < budget) continue;
+            atomic_fetch_add(&pool.sleeping, 1);
+            if (atomic_load(&pool.generation) == seen) futex_wait(&pool.generation, seen);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            start = now_ns();
+        }
+        seen = g;
+        pool.fn(pool.arg, tid, pool.nthreads);
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: it steps alone until it starts its own. */
+static void pool_after_fork(void) {
+    pool.nthreads = 1;
+    atomic_store(&pool.ready, 0);
+    atomic_store(&pool.sleeping, 0);
+    atomic_store(&pool.barrier_count, 0);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&run_lock, NULL);
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Start the pool's threads (once per process; the count cannot change afterwards); its size. */
+int kiln_pool_start(int nthreads, int spin_us) {
+    pthread_once(&isa_once, detect_isa);
+    pthread_once(&fork_once, register_fork_handler);
+    pthread_mutex_lock(&pool.lock);
+    int started = pool.nthreads;
+    if (started == 1 && nthreads > 1) {
+        if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+        pool.spin_us = spin_us;
+        pool.start_generation = atomic_load(&pool.generation);
+        int made = 1;
+        for (; made < nthreads; made++) {
+            if (pthread_create(&pool.threads[made], NULL, worker_main, (void *)(intptr_t)made)) break;
+            pthread_detach(pool.threads[made]);
+        }
+        while (atomic_load(&pool.ready) < made - 1) cpu_relax(); /* every worker is looking */
+        pool.nthreads = made;
+        started = made;
+    }
+    pthread_mutex_unlock(&pool.lock);
+    return started;
+}
+
+static void run_parallel(job_fn fn, void *arg) {
+    pthread_mutex_lock(&run_lock);
+    int n = pool.nthreads;
+    if (n == 1) {
+        fn(arg, 0, 1);
+        pthread_mutex_unlock(&run_lock);
+        return;
+    }
+    pool.fn = fn;
+    pool.arg = arg;
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_acq_rel);
+    if (atomic_load(&pool.sleeping)) futex_wake_all(&pool.generation);
+    fn(arg, 0, n);
+    while (atomic_load_explicit(&pool.finished, memory_order_acquire) != n - 1) cpu_relax();
+    pthread_mutex_unlock(&run_lock);
+}
+
+/* ---------------------------------------------------------------- linear layers */
+
+/* rows [r0, r1) of y (M, N) = x (M, K) @ W.T, x already rounded as the layer takes it */
+
+/* INT4, one block of `nb` rows split (d, d + nb/2): per op group, the unscaled codes times x
+ * accumulate in registers, then y += scale * acc + (zero - 8 * scale) * sum(x over the group).
+ * The scale / zero pairs of 16 rows are 16 uint32: scale in the low half, zero in the high half. */
+/* the group's codes of one 64-row block as floats, (group, 64) rows in order: for several tokens */
+AVX512 static void int4_group64_floats_avx512(const uint8_t *p, int group, float *wq) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int kk = 0; kk < group; kk++, p += 32, wq += 64) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+        const __m512i e0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
+        const __m512i e1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
+        _mm512_storeu_ps(wq, _mm512_cvtepi32_ps(_mm512_and_si512(e0, low4)));
+        _mm512_storeu_ps(wq + 16, _mm512_cvtepi32_ps(_mm512_and_si512(e1, low4)));
+        _mm512_storeu_ps(wq + 32, _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4)));
+        _mm512_storeu_ps(wq + 48, _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4)));
+    }
+}
+
+/* acc[m] (64 rows) += scale * codes.x + (zero - 8 * scale + offset) * xsum for one group; `off`: the
+ * group's exact zero offsets of these rows, or NULL */
+AVX512 static inline void int4_scale64_avx512(const uint32_t *sz, const float *off, const __m512 parts[4],
+                                              float xs, float *acc) {
+    const __m512 eight = _mm512_set1_ps(8.0f), xsv = _mm512_set1_ps(xs);
+    for (int j = 0; j < 4; j++) {
+        const __m512i pair = _mm512_loadu_si512((const void *)(sz + 16 * j));
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));
+        float *o = acc + 16 * j;
+        __m512 v = _mm512_fmadd_ps(s, parts[j], _mm512_loadu_ps(o));
+        __m512 zero = _mm512_fnmadd_ps(eight, s, z);
+        if (off) zero = _mm512_add_ps(zero, _mm512_loadu_ps(off + 16 * j));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, xsv, v));
+    }
+}
+
+AVX512 static void int4_block64_avx512(const kiln_linear *L, const float *x, const float *xsum, int m_rows,
+                                       int r0, float *acc, float *wq, int fold) {
+    const int k = L->k, group = L->op_group, groups = k / group;
+    const uint8_t *base = (const uint8_t *)L->weight + (size_t)r0 * (k / 2);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int i = 0; i < m_rows * 64; i++) acc[i] = 0.0f;
+    for (int g = 0; g < groups; g++) {
+        const uint32_t *sz = (const uint32_t *)(L->scales + ((size_t)g * L->n + r0) * 2);
+        const float *off = fold ? L->zero_offsets + (size_t)g * L->n + r0 : NULL;
+        const uint8_t *pg = base + (size_t)g * group * 32;
+        if (m_rows == 1) { /* one token: convert and multiply in registers */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int kk = 0; kk < group; kk++) {
+                _mm_prefetch((const char *)(pg + (size_t)kk * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(pg + (size_t)kk * 32));
+                const __m512i e0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));      /* rows 0-15, 32-47 */
+                const __m512i e1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)); /* 16-31, 48-63 */
+                const __m512 xv = _mm512_set1_ps(x[g * group + kk]);
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(e0, low4)), xv, a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(e1, low4)), xv, a1);
+                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4)), xv, a2);
+                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4)), xv, a3);
+            }
+            const __m512 parts[4] = {a0, a1, a2, a3};
+            int4_scale64_avx512(sz, off, parts, xsum[g], acc);
+            continue;
+        }
+        _mm_prefetch((const char *)(pg + PREFETCH_BYTES), _MM_HINT_T0);
+        int4_group64_floats_avx512(pg, group, wq); /* once for every token */
+        for (int m = 0; m < m_rows; m += 2) { /* two tokens at a time: 8 accumulators */
+            const float *x0 = x + (size_t)m * k + g * group;
+            const float *x1 = m + 1 < m_rows ? x0 + k : x0;
+            __m512 a[2][4];
+            for (int j = 0; j < 4; j++) a[0][j] = a[1][j] = _mm512_setzero_ps();
+            for (int kk = 0; kk < group; kk++) {
+                const float *wk = wq + (size_t)kk * 64;
+                const __m512 xv0 = _mm512_set1_ps(x0[kk]), xv1 = _mm512_set1_ps(x1[kk]);
+                for (int j = 0; j < 4; j++) {
+                    const __m512 wv = _mm512_loadu_ps(wk + 16 * j);
+                    a[0][j] = _mm512_fmadd_ps(wv, xv0, a[0][j]);
+                    a[1][j] = _mm512_fmadd_ps(wv, xv1, a[1][j]);
+                }
+            }
+            int4_scale64_avx512(sz, off, a[0], xsum[m * groups + g], acc + (size_t)m * 64);
+            if (m + 1 < m_rows)
+                int4_scale64_avx512(sz, off, a[1], xsum[(m + 1) * groups + g], acc + (size_t)(m + 1) * 64);
+        }
+    }
+}
+
+AVX2 static void int4_block32_avx2(const kiln_linear *L, const float *x, const float *xsum, int m_rows,
+                                   int r0, float *acc, int fold) {
+    const int k = L->k, group = L->op_group, groups = k / group;
+    const uint8_t *base = (const uint8_t *)L->weight + (size_t)r0 * (k / 2);
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int i = 0; i < m_rows * 32; i++) acc[i] = 0.0f;
+    for (int g = 0; g < groups; g++) {
+        const uint32_t *sz = (const uint32_t *)(L->scales + ((size_t)g * L->n + r0) * 2);
+        const float *off = fold ? L->zero_offsets + (size_t)g * L->n + r0 : NULL;
+        for (int m = 0; m < m_rows; m++) {
+            const float *xm = x + (size_t)m * k;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int kk = g * group; kk < (g + 1) * group; kk++) {
+                _mm_prefetch((const char *)(base + (size_t)kk * 16 + PREFETCH_BYTES), _MM_HINT_T0);
+                const __m128i b = _mm_loadu_si128((const __m128i *)(base + (size_t)kk * 16));
+                const __m256i e0 = _mm256_cvtepu8_epi32(b);                  /* rows 0-7, 16-23 */
+                const __m256i e1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)); /* rows 8-15, 24-31 */
+                const __m256 xv = _mm256_set1_ps(xm[kk]);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(e0, low4)), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(e1, low4)), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4)), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4)), xv, a3);
+            }
+            const __m256 xs = _mm256_set1_ps(xsum[m * groups + g]), eight = _mm256_set1_ps(8.0f);
+            const __m256 parts[4] = {a0, a1, a2, a3};
+            for (int j = 0; j < 4; j++) {
+                const __m256i pair = _mm256_loadu_si256((const __m256i *)(sz + 8 * j));
+                const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+                const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32((int)0xffff0000u)));
+                float *o = acc + m * 32 + 8 * j;
+                __m256 v = _mm256_fmadd_ps(s, parts[j], _mm256_loadu_ps(o));
+                __m256 zero = _mm256_fnmadd_ps(eight, s, z);
+                if (off) zero = _mm256_add_ps(zero, _mm256_loadu_ps(off + 8 * j));
+                v = _mm256_fmadd_ps(zero, xs, v);
+                _mm256_storeu_ps(o, v);
+            }
+        }
+    }
+}
+
+/* INT4, any block of `nb` rows with adjacent pairs (2d, 2d + 1) or a split we have no fast body for */
+static void int4_block_generic(const kiln_linear *L, const float *x, const float *xsum, int m_rows, int r0,
+                               int nb, int split, float *acc) {
+    const int k = L->k, group = L->op_group, groups = k / group, half = nb / 2;
+    const uint8_t *base = (const uint8_t *)L->weight + (size_t)r0 * (k / 2);
+    for (int i = 0; i < m_rows * nb; i++) acc[i] = 0.0f;
+    for (int m = 0; m < m_rows; m++) {
+        const float *xm = x + (size_t)m * k;
+        for (int g = 0; g < groups; g++) {
+            for (int r = 0; r < nb; r++) {
+                int d = split ? r % half : r / 2;
+                int high = split ? r >= half : r & 1;
+                float a = 0.0f;
+                for (int kk = g * group; kk < (g + 1) * group; kk++) {
+                    uint8_t byte = base[(size_t)kk * half + d];
+                    a += (float)(high ? byte >> 4 : byte & 15) * xm[kk];
+                }
+                const uint16_t *sz = L->scales + ((size_t)g * L->n + r0 + r) * 2;
+                float s = bf16_to_f32(sz[0]), z = bf16_to_f32(sz[1]) - 8.0f * s;
+                acc[m * nb + r] += s * a + z * xsum[m * groups + g];
+            }
+        }
+    }
+}
+
+static void int4_rows(const kiln_linear *L, const float *x, int m_rows, int r0, int r1, float *y,
+                      float *scratch) {
+    const int k = L->k, n = L->n, group = L->op_group, groups = k / group;
+    float *xsum = scratch;                              /* (M, groups) */
+    float *acc = scratch + (size_t)m_rows * groups;     /* (M, 64) */
+    float *zsum = acc + (size_t)m_rows * 64;            /* (M, zo_groups) */
+    float *wq = zsum + (size_t)m_rows * L->zo_groups;   /* (op_group, 64): a group's codes as floats */
+    for (int m = 0; m < m_rows; m++)
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int kk = g * group; kk < (g + 1) * group; kk++) s += x[(size_t)m * k + kk];
+            xsum[m * groups + g] = s;
+        }
+    const int zg = L->zo_groups;
+    if (zg)
+        for (int m = 0; m < m_rows; m++)
+            for (int g = 0; g < zg; g++) {
+                float s = 0.0f;
+                for (int kk = g * (k / zg); kk < (g + 1) * (k / zg); kk++) s += x[(size_t)m * k + kk];
+                zsum[m * zg + g] = s;
+            }
+    const int full_end = n / L->block_n * L->block_n;
+    int r = r0;
+    while (r < r1) {
+        int nb = r < full_end ? L->block_n : n - full_end;
+        int split = r < full_end && L->split;
+        /* exact zero offsets in the op's groups are added by the vector bodies */
+        int folded = zg == groups;
+        if (split && nb == 64 && isa >= ISA_AVX512) int4_block64_avx512(L, x, xsum, m_rows, r, acc, wq, folded);
+        else if (split && nb == 32 && isa >= ISA_AVX2) int4_block32_avx2(L, x, xsum, m_rows, r, acc, folded);
+        else {
+            int4_block_generic(L, x, xsum, m_rows, r, nb, split, acc);
+            folded = 0;
+        }
+        for (int m = 0; m < m_rows; m++)
+            for (int i = 0; i < nb; i++) {
+                float v = acc[m * nb + i];
+                if (zg && !folded)
+                    for (int g = 0; g < zg; g++) v += zsum[m * zg + g] * L->zero_offsets[(size_t)g * n + r + i];
+                y[(size_t)m * n + r + i] = v;
+            }
+        r += nb;
+    }
+}
+
+/* y[m, r] = dot(x[m], row r) for row-major weights: tiles of 4 rows x 4 tokens, so that each
+ * weight load serves 4 tokens and each x load 4 rows (a short tile repeats its last token / row,
+ * computed and not stored) */
+#define ROW_DOTS(NAME, ATTR, T, VEC, WIDTH, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)                         \
+    ATTR static void NAME(const T *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y) { \
+        for (int r = r0; r < r1; r += 4) {                                                         \
+            const T *wr[4];                                                                        \
+            for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(r + i < r1 ? r + i : r1 - 1) * k;     \
+            for (int m = 0; m < m_rows; m += 4) {                                                  \
+                const float *xm[4];                                                                \
+                for (int j = 0; j < 4; j++) xm[j] = x + (size_t)(m + j < m_rows ? m + j : m_rows - 1) * k; \
+                VEC a[4][4];                                                                       \
+                for (int j = 0; j < 4; j++)                                                        \
+                    for (int i = 0; i < 4; i++) a[j][i] = ZERO();                                  \
+                int kk = 0;                                                                        \
+                for (; kk + WIDTH <= k; kk += WIDTH) {                                             \
+                    if (m == 0 && kk % 32 == 0) /* the rows' next lines, on the first pass */     \
+                        for (int i = 0; i < 4; i++)                                                \
+                            _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0); \
+                    VEC wv[4];                                                                     \
+                    for (int i = 0; i < 4; i++) wv[i] = LOADW(wr[i] + kk);                         \
+                    for (int j = 0; j < 4; j++) {                                                  \
+                        const VEC xv = LOADX(xm[j] + kk);                                          \
+                        for (int i = 0; i < 4; i++) a[j][i] = FMA(wv[i], xv, a[j][i]);             \
+                    }                                                                              \
+                }                                                                                  \
+                for (int j = 0; j < 4 && m + j < m_rows; j++)                                      \
+                    for (int i = 0; i < 4 && r + i < r1; i++) {                                    \
+                        float s = HSUM(a[j][i]);                                                   \
+                        for (int t = kk; t < k; t++) s += ELEM(wr[i][t]) * xm[j][t];               \
+                        y[(size_t)(m + j) * n + r + i] = s;                                        \
+                    }                                                                              \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+#define ELEM_F(v) ((float)(v))
+#define ELEM_BF16(v) bf16_to_f32(v)
+#define ELEM_F16(v) f16_to_f32(v)
+
+AVX512 static inline __m512 w512_f32(const float *p) { return _mm512_loadu_ps(p); }
+AVX512 static inline __m512 w512_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+AVX512 static inline __m512 w512_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AVX512 static inline __m512 w512_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+AVX2 static inline __m256 w256_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+AVX2 static inline __m256 w256_f32(const float *p) { return _mm256_loadu_ps(p); }
+AVX2 static inline __m256 w256_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+AVX2 static inline __m256 w256_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float scalar_zero(void) { return 0.0f; }
+static inline float scalar_fma(float a, float b, float c) { return a * b + c; }
+static inline float scalar_load(const float *p) { return *p; }
+static inline float scalar_i8(const int8_t *p) { return (float)*p; }
+static inline float scalar_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
+
+/* IEEE half -> float (subnormals, infinities and NaN included) */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u;
+    if (e == 31) return u2f(sign | 0x7f800000u | (m << 13));
+    if (e == 0) return u2f(sign) + (sign ? -1.0f : 1.0f) * ldexpf((float)m, -24);
+    return u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+static inline float scalar_f16(const uint16_t *p) { return f16_to_f32(*p); }
+static inline float scalar_id(float v) { return v; }
+
+ROW_DOTS(dots_f32_avx512, AVX512, float, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f32, _mm512_reduce_add_ps, ELEM_F)
+ROW_DOTS(dots_i8_avx512, AVX512, int8_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_i8, _mm512_reduce_add_ps, ELEM_F)
+ROW_DOTS(dots_bf16_avx512, AVX512, uint16_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_bf16, _mm512_reduce_add_ps, ELEM_BF16)
+ROW_DOTS(dots_f32_avx2, AVX2, float, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f32, hsum256, ELEM_F)
+ROW_DOTS(dots_i8_avx2, AVX2, int8_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_i8, hsum256, ELEM_F)
+ROW_DOTS(dots_bf16_avx2, AVX2, uint16_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_bf16, hsum256, ELEM_BF16)
+ROW_DOTS(dots_f16_avx512, AVX512, uint16_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f16, _mm512_reduce_add_ps, ELEM_F16)
+ROW_DOTS(dots_f16_avx2, AVX2, uint16_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f16, hsum256, ELEM_F16)
+ROW_DOTS(dots_f16_scalar, , uint16_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_f16, scalar_id, ELEM_F16)
+ROW_DOTS(dots_f32_scalar, , float, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_load, scalar_id, ELEM_F)
+ROW_DOTS(dots_i8_scalar, , int8_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_i8, scalar_id, ELEM_F)
+ROW_DOTS(dots_bf16_scalar, , uint16_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_bf16, scalar_id, ELEM_BF16)
+
+typedef void (*dots_fn)(const void *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y);
+
+static dots_fn pick_dots(int kind) {
+    static const void *table[4][3] = {
+        {(const void *)dots_f32_scalar, (const void *)dots_f32_avx2, (const void *)dots_f32_avx512},
+        {(const void *)dots_i8_scalar, (const void *)dots_i8_avx2, (const void *)dots_i8_avx512},
+        {(const void *)dots_bf16_scalar, (const void *)dots_bf16_avx2, (const void *)dots_bf16_avx512},
+        {(const void *)dots_f16_scalar, (const void *)dots_f16_avx2, (const void *)dots_f16_avx512},
+    };
+    int row = kind == W_F32 ? 0 : kind == W_INT8 ? 1 : kind == W_BF16 ? 2 : 3;
+    return (dots_fn)table[row][isa];
+}
+
+/* rows [r0, r1) of one linear layer: y (M, N), with its scales, bias and output rounding */
+static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0, int r1, float *y,
+                        float *scratch) {
+    if (r0 >= r1) return;
+    const int n = L->n, k = L->k;
+    switch (L->kind) {
+    case W_INT4: int4_rows(L, x, m_rows, r0, r1, y, scratch); break;
+    case W_INT8:
+        pick_dots(W_INT8)(L->weight, k, x, m_rows, r0, r1, n, y);
+        for (int m = 0; m < m_rows; m++)
+            for (int r = r0; r < r1; r++) y[(size_t)m * n + r] *= bf16_to_f32(L->scales[r]);
+        break;
+    default: pick_dots(L->kind)(L->weight, k, x, m_rows, r0, r1, n, y); break;
+    }
+    /* torch's int4 / int8 ops hand back the activation dtype before the bias is added */
+    const int op_rounds = (L->kind == W_INT4 || L->kind == W_INT8) && L->round_out && L->bias;
+    for (int m = 0; m < m_rows; m++)
+        for (int r = r0; r < r1; r++) {
+            float v = y[(size_t)m * n + r];
+            if (op_rounds) v = round_bf16(v);
+            if (L->bias) v += L->bias[r];
+            y[(size_t)m * n + r] = L->round_out ? round_bf16(v) : v;
+        }
+}
+
+/* This thread's rows of a layer: whole int4 pack blocks, in contiguous shares */
+static void my_rows(const kiln_linear *L, int tid, int nthreads, int *r0, int *r1) {
+    int unit = L->kind == W_INT4 ? L->block_n : 16;
+    int units = (L->n + unit - 1) / unit;
+    int a = (int)((long)units * tid / nthreads), b = (int)((long)units * (tid + 1) / nthreads);
+    *r0 = a * unit < L->n ? a * unit : L->n;
+    *r1 = b * unit < L->n ? b * unit : L->n;
+    if (L->kind == W_INT4 && tid == nthreads - 1) *r1 = L->n; /* a short tail block */
+}
+
+/* ---------------------------------------------------------------- the step */
+
+typedef struct {
+    const kiln_model *model;
+    int m_rows;
+    const int64_t *tokens, *slots, *positions;
+    float *logits;
+    float *resid, *normed, *qkv, *attn, *o, *gate_up, *act, *down; /* (M, ...) */
+    float *scratch;  /* per thread */
+    size_t scratch_floats;
+} step_state;
+
+static void rms_norm_rows(const float *x, const float *w, int n, float eps, int round, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) {
+        float v = x[i] * inv * w[i];
+        out[i] = round ? round_bf16(v) : v;
+    }
+}
+
+static inline void kv_store(void *base, int kind, size_t i, float v, float scale) {
+    switch (kind) {
+    case KV_BF16: ((uint16_t *)base)[i] = f32_to_bf16(v); break;
+    case KV_FP8: ((uint8_t *)base)[i] = f32_to_e4m3(v / scale); break;
+    default: ((float *)base)[i] = v;
+    }
+}
+
+/* q/k heads of one token: optional per-head RMSNorm, then RoPE at `pos` (in place, fp32) */
+static void norm_and_rope(const kiln_model *md, const float *norm_w, float *head, int pos) {
+    const int d = md->head_dim, h = d / 2;
+    if (norm_w) rms_norm_rows(head, norm_w, d, md->eps, 0, head);
+    const float *c = md->cos + (size_t)pos * d, *s = md->sin + (size_t)pos * d;
+    float rolled[512];
+    for (int i = 0; i < d; i++) rolled[i] = head[(i + h) % d];
+    for (int i = 0; i < d; i++) head[i] = head[i] * c[i] + rolled[i] * s[i];
+}
+
+/* exp for the SwiGLU / softmax loops, vectorizable (no libm call): 2^n * p(r), |r| <= ln2 / 2,
+ * a degree-6 polynomial; relative error below 2e-7 over the range fp32 exp covers */
+static inline __attribute__((always_inline)) float fast_exp(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x; /* not fminf / fmaxf: those stop the vectorizer */
+    const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f; /* nearest integer, ties even */
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return u2f(f2u(p) + ((uint32_t)(int32_t)n << 23));
+}
+
+/* One query head attends to positions [0, pos] of its kv head in `slot`: the cache rows are read
+ * in their dtype and converted in registers (FP8 through the byte table, per row into `row`). */
+static inline __attribute__((always_inline)) void attend_body(const kiln_model *md, const kiln_layer *ly,
+                                                              const float *q, int slot, int pos, int kv_head,
+                                                              float *scratch, float *out) {
+    const int d = md->head_dim, len = pos + 1, kind = md->kv_kind;
+    const size_t base = (((size_t)slot * md->num_kv_heads + kv_head) * md->max_len) * d;
+    float *row = scratch, *scores = scratch + d;
+    float best = -INFINITY;
+    for (int p = 0; p < len; p++) {
+        const size_t at = base + (size_t)p * d;
+        float s = 0.0f;
+        if (kind == KV_BF16) {
+            const uint16_t *k = (const uint16_t *)ly->k_cache + at;
+#pragma omp simd reduction(+ : s)
+            for (int i = 0; i < d; i++) s += q[i] * u2f((uint32_t)k[i] << 16);
+        } else if (kind == KV_F32) {
+            const float *k = (const float *)ly->k_cache + at;
+#pragma omp simd reduction(+ : s)
+            for (int i = 0; i < d; i++) s += q[i] * k[i];
+        } else {
+            const uint8_t *k = (const uint8_t *)ly->k_cache + at;
+            for (int i = 0; i < d; i++) row[i] = e4m3_table[k[i]];
+#pragma omp simd reduction(+ : s)
+            for (int i = 0; i < d; i++) s += q[i] * row[i];
+            s *= ly->k_scale;
+        }
+        s *= md->attn_scale;
+        scores[p] = s;
+        best = s > best ? s : best;
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int p = 0; p < len; p++) {
+        scores[p] = fast_exp(scores[p] - best);
+        total += scores[p];
+    }
+    const float inv = 1.0f / total;
+    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int p = 0; p < len; p++) {
+        const size_t at = base + (size_t)p * d;
+        const float w = scores[p] * inv;
+        if (kind == KV_BF16) {
+            const uint16_t *v = (const uint16_t *)ly->v_cache + at;
+#pragma omp simd
+            for (int i = 0; i < d; i++) out[i] += w * u2f((uint32_t)v[i] << 16);
+        } else if (kind == KV_F32) {
+            const float *v = (const float *)ly->v_cache + at;
+#pragma omp simd
+            for (int i = 0; i < d; i++) out[i] += w * v[i];
+        } else {
+            const uint8_t *v = (const uint8_t *)ly->v_cache + at;
+            const float ws = w * ly->v_scale;
+            for (int i = 0; i < d; i++) out[i] += ws * e4m3_table[v[i]];
+        }
+    }
+}
+
+/* SwiGLU of `count` units starting at u: act = silu(gate) * up, rounded as the model rounds */
+static inline __attribute__((always_inline)) void swiglu_body(const float *gate_up, int inter, int u0, int u1,
+                                                              int round, float *act) {
+    for (int u = u0; u < u1;) {
+        const int m = u / inter, i0 = u % inter, i1 = (u1 - m * inter) < inter ? u1 - m * inter : inter;
+        const float *g = gate_up + (size_t)m * 2 * inter, *up = g + inter;
+        float *a = act + (size_t)m * inter;
+#pragma omp simd
+        for (int i = i0; i < i1; i++) {
+            const float v = g[i] / (1.0f + fast_exp(-g[i])) * up[i];
+            a[i] = round ? round_bf16(v) : v;
+        }
+        u += i1 - i0;
+    }
+}
+
+AVX512 static void attend_avx512(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
+                                 int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+}
+AVX2 static void attend_avx2(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
+                             int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+}
+static void attend_scalar(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
+                          int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+}
+AVX512 static void swiglu_avx512(const float *gate_up, int inter, int u0, int u1, int round, float *act) {
+    swiglu_body(gate_up, inter, u0, u1, round, act);
+}
+AVX2 static void swiglu_avx2(const float *gate_up, int inter, int u0, int u1, int round, float *act) {
+    swiglu_body(gate_up, inter, u0, u1, round, act);
+}
+static void swiglu_scalar(const float *gate_up, int inter, int u0, int u1, int round, float *act) {
+    swiglu_body(gate_up, inter, u0, u1, round, act);
+}
+
+static void shared_rows(int m_rows, int tid, int nthreads, int *a, int *b) {
+    *a = m_rows * tid / nthreads;
+    *b = m_rows * (tid + 1) / nthreads;
+}
+
+static void step_job(void *arg, int tid, int nthreads) {
+    step_state *st = (step_state *)arg;
+    const kiln_model *md = st->model;
+    const int M = st->m_rows, H = md->hidden, D = md->head_dim;
+    const int nq = md->num_heads * D, nkv = md->num_kv_heads * D, I = md->intermediate;
+    const int qkv_n = nq + 2 * nkv;
+    float *scratch = st->scratch + (size_t)tid * st->scratch_floats;
+    int a, b, r0, r1;
+    shared_rows(M, tid, nthreads, &a, &b);
+    for (int m = a; m < b; m++) { /* the embedding rows */
+        const int64_t t = st->tokens[m];
+        const size_t at = (size_t)t * H;
+        float *x = st->resid + (size_t)m * H;
+        for (int i = 0; i < H; i++)
+            x[i] = md->embed_kind == W_F32    ? ((const float *)md->embed)[at + i]
+                   : md->embed_kind == W_BF16 ? bf16_to_f32(((const uint16_t *)md->embed)[at + i])
+                                              : f16_to_f32(((const uint16_t *)md->embed)[at + i]);
+    }
+    for (int l = 0; l < md->num_layers; l++) {
+        const kiln_layer *ly = &md->layers[l];
+        for (int m = a; m < b; m++)
+            rms_norm_rows(st->resid + (size_t)m * H, ly->input_norm, H, md->eps, md->round_act, st->normed + (size_t)m * H);
+        barrier(nthreads);
+        my_rows(&ly->qkv, tid, nthreads, &r0, &r1);
+        linear_rows(&ly->qkv, st->normed, M, r0, r1, st->qkv, scratch);
+        barrier(nthreads);
+        /* q/k norm + RoPE, the new k and v into the cache: one (token, kv head) per unit of work */
+        int units = M * md->num_kv_heads;
+        for (int u = units * tid / nthreads; u < units * (tid + 1) / nthreads; u++) {
+            int m = u / md->num_kv_heads, kvh = u % md->num_kv_heads, pos = (int)st->positions[m];
+            float *row = st->qkv + (size_t)m * qkv_n;
+            int per = md->num_heads / md->num_kv_heads;
+            for (int h = kvh * per; h < (kvh + 1) * per; h++) norm_and_rope(md, ly->q_norm, row + (size_t)h * D, pos);
+            float *k = row + nq + (size_t)kvh * D, *v = row + nq + nkv + (size_t)kvh * D;
+            norm_and_rope(md, ly->k_norm, k, pos);
+            size_t at = (((size_t)st->slots[m] * md->num_kv_heads + kvh) * md->max_len + pos) * D;
+            for (int i = 0; i < D; i++) {
+                kv_store(ly->k_cache, md->kv_kind, at + i, k[i], ly->k_scale);
+                kv_store(ly->v_cache, md->kv_kind, at + i, v[i], ly->v_scale);
+            }
+        }
+        barrier(nthreads);
+        units = M * md->num_heads; /* one query head each */
+        for (int u = units * tid / nthreads; u < units * (tid + 1) / nthreads; u++) {
+            const int m = u / md->num_heads, h = u % md->num_heads, kvh = h / (md->num_heads / md->num_kv_heads);
+            float *out = st->attn + (size_t)m * nq + (size_t)h * D;
+            const float *q = st->qkv + (size_t)m * qkv_n + (size_t)h * D;
+            const int slot = (int)st->slots[m], pos = (int)st->positions[m];
+            if (isa == ISA_AVX512) attend_avx512(md, ly, q, slot, pos, kvh, scratch, out);
+            else if (isa == ISA_AVX2) attend_avx2(md, ly, q, slot, pos, kvh, scratch, out);
+            else attend_scalar(md, ly, q, slot, pos, kvh, scratch, out);
+            if (md->round_act)
+                for (int i = 0; i < D; i++) out[i] = round_bf16(out[i]);
+        }
+        barrier(nthreads);
+        my_rows(&ly->o, tid, nthreads, &r0, &r1);
+        linear_rows(&ly->o, st->attn, M, r0, r1, st->o, scratch);
+        barrier(nthreads);
+        for (int m = a; m < b; m++) {
+            float *x = st->resid + (size_t)m * H;
+            for (int i = 0; i < H; i++) x[i] += st->o[(size_t)m * H + i];
+            rms_norm_rows(x, ly->post_norm, H, md->eps, md->round_act, st->normed + (size_t)m * H);
+        }
+        barrier(nthreads);
+        my_rows(&ly->gate_up, tid, nthreads, &r0, &r1);
+        linear_rows(&ly->gate_up, st->normed, M, r0, r1, st->gate_up, scratch);
+        barrier(nthreads);
+        units = M * I;
+        {
+            const int u0 = (int)((long)units * tid / nthreads), u1 = (int)((long)units * (tid + 1) / nthreads);
+            if (isa == ISA_AVX512) swiglu_avx512(st->gate_up, I, u0, u1, md->round_act, st->act);
+            else if (isa == ISA_AVX2) swiglu_avx2(st->gate_up, I, u0, u1, md->round_act, st->act);
+            else swiglu_scalar(st->gate_up, I, u0, u1, md->round_act, st->act);
+        }
+        barrier(nthreads);
+        my_rows(&ly->down, tid, nthreads, &r0, &r1);
+        linear_rows(&ly->down, st->act, M, r0, r1, st->down, scratch);
+        barrier(nthreads);
+        for (int m = a; m < b; m++)
+            for (int i = 0; i < H; i++) st->resid[(size_t)m * H + i] += st->down[(size_t)m * H + i];
+    }
+    for (int m = a; m < b; m++)
+        rms_norm_rows(st->resid + (size_t)m * H, md->final_norm, H, md->eps, md->head_round_in, st->normed + (size_t)m * H);
+    barrier(nthreads);
+    my_rows(md->head, tid, nthreads, &r0, &r1);
+    linear_rows(md->head, st->normed, M, r0, r1, st->logits, scratch);
+}
+
+static size_t scratch_floats_for(const kiln_model *md, int m_rows) {
+    size_t most = (size_t)md->max_len + md->head_dim; /* attention: scores and one row */
+    const kiln_linear *all[4];
+    for (int l = 0; l < md->num_layers; l++) {
+        const kiln_layer *ly = &md->layers[l];
+        all[0] = &ly->qkv, all[1] = &ly->o, all[2] = &ly->gate_up, all[3] = &ly->down;
+        for (int i = 0; i < 4; i++) {
+            const kiln_linear *L = all[i];
+            if (L->kind != W_INT4) continue;
+            size_t need = (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64;
+            most = need > most ? need : most;
+        }
+    }
+    const kiln_linear *h = md->head;
+    if (h->kind == W_INT4) {
+        size_t need = (size_t)m_rows * (h->k / h->op_group + 64 + h->zo_groups) + (size_t)h->op_group * 64;
+        most = need > most ? need : most;
+    }
+    return (most + 15) / 16 * 16;
+}
+
+/* One decode step: tokens (M,), their cache slots and positions -> logits (M, vocab) fp32.
+ * Returns 0, or -1 when out of memory / M out of range (nothing written then). */
+int kiln_decode_step(const kiln_model *md, int m_rows, const int64_t *tokens, const int64_t *slots,
+                     const int64_t *positions, float *logits) {
+    if (m_rows < 1 || m_rows > MAX_BATCH) return -1;
+    pthread_once(&e4m3_once, make_e4m3_table);
+    pthread_once(&isa_once, detect_isa);
+    const int H = md->hidden, D = md->head_dim, I = md->intermediate;
+    const size_t nq = (size_t)md->num_heads * D, qkv_n = nq + 2 * (size_t)md->num_kv_heads * D;
+    const size_t per_row = 3 * (size_t)H + qkv_n + nq + H + 2 * (size_t)I + I + H;
+    step_state st = {.model = md, .m_rows = m_rows, .tokens = tokens, .slots = slots, .positions = positions,
+                     .logits = logits};
+    st.scratch_floats = scratch_floats_for(md, m_rows);
+    float *mem = aligned_alloc(64, ((per_row * m_rows + st.scratch_floats * pool.nthreads) * sizeof(float) + 63) / 64 * 64);
+    if (!mem) return -1;
+    float *p = mem;
+    st.resid = p, p += (size_t)m_rows * H;
+    st.normed = p, p += (size_t)m_rows * H;
+    st.qkv = p, p += (size_t)m_rows * qkv_n;
+    st.attn = p, p += (size_t)m_rows * nq;
+    st.o = p, p += (size_t)m_rows * H;
+    st.gate_up = p, p += (size_t)m_rows * 2 * I;
+    st.act = p, p += (size_t)m_rows * I;
+    st.down = p, p += (size_t)m_rows * H;
+    p += (size_t)m_rows * H;
+    st.scratch = p;
+    run_parallel(step_job, &st);
+    free(mem);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) @ W.T through one layer descriptor, on the pool: the kernel tests' entry. */
+typedef struct {
+    const kiln_linear *L;
+    const float *x;
+    int m_rows;
+    float *y, *scratch;
+    size_t scratch_floats;
+} linear_job_state;
+
+static void linear_job(void *arg, int tid, int nthreads) {
+    linear_job_state *s = (linear_job_state *)arg;
+    int r0, r1;
+    my_rows(s->L, tid, nthreads, &r0, &r1);
+    linear_rows(s->L, s->x, s->m_rows, r0, r1, s->y, s->scratch + (size_t)tid * s->scratch_floats);
+}
+
+int kiln_linear_apply(const kiln_linear *L, int m_rows, const float *x, float *y) {
+    pthread_once(&isa_once, detect_isa);
+    size_t per = L->kind == W_INT4 ? (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64 : 16;
+    per = (per + 15) / 16 * 16;
+    float *scratch = aligned_alloc(64, per * pool.nthreads * sizeof(float));
+    if (!scratch) return -1;
+    linear_job_state s = {L, x, m_rows, y, scratch, per};
+    run_parallel(linear_job, &s);
+    free(scratch);
+    return 0;
+}
