@@ -207,6 +207,7 @@ class NativeDecoder:
         if embed.dtype not in DENSE_KINDS:
             raise Unsupported(f"an embedding in {embed.dtype} has no native path")
         embed = self._held(embed.contiguous())
+        self.vocab_rows = embed.shape[0]
         first = model.layers[0].self_attn
         assert isinstance(first, Attention)
         self.struct = KilnModel(
@@ -261,10 +262,15 @@ class NativeDecoder:
             self._bind_cache()
         b = len(slots)
         ids = tokens.reshape(b).to(torch.long).contiguous()
+        # the library indexes with these unchecked: what is out of range stops here
+        if not (min(positions) >= 0 and max(positions) < cache.max_len and len(positions) == b):
+            raise IndexError(f"decode positions {positions} outside the KV cache of {cache.max_len}")
+        if not (min(slots) >= 0 and max(slots) < cache.num_slots):
+            raise IndexError(f"decode slots {slots} outside the KV cache's {cache.num_slots}")
+        if not (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_rows):
+            raise IndexError(f"decode tokens {ids.tolist()} outside the embedding's {self.vocab_rows} rows")
         slot_t = torch.tensor(slots, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
-        if int(pos_t.max()) >= cache.max_len or int(pos_t.min()) < 0:
-            raise IndexError(f"decode position {positions} outside the KV cache of {cache.max_len}")
         logits = torch.empty(b, self.struct.vocab, dtype=torch.float32)
         rc = self.lib.kiln_decode_step(
             self._pointer, b, ids.data_ptr(), slot_t.data_ptr(), pos_t.data_ptr(), logits.data_ptr()

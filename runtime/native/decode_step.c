@@ -20,6 +20,7 @@
 #include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -208,6 +209,9 @@ static void *worker_main(void *p) {
             cpu_relax();
             if (++spins < 256) continue;
             spins = 0;
+            /* between steps the caller runs Python (sampling, the HTTP thread's writes): a thread
+             * that wants this core gets it, and the worker is back within a time slice */
+            sched_yield();
             if (now_ns() - start < budget) continue;
             atomic_fetch_add(&pool.sleeping, 1);
             if (atomic_load(&pool.generation) == seen) futex_wait(&pool.generation, seen);

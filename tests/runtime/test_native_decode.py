@@ -359,3 +359,20 @@ def test_a_forked_child_steps_alone(llama_artifact: tuple[object, Path]) -> None
         status = os.read(read, 1)
         os.waitpid(pid, 0)
     assert status == b"\x00"
+
+
+def test_out_of_range_slots_positions_and_tokens_are_refused(llama_artifact: tuple[object, Path]) -> None:
+    """The library indexes the cache and the embedding unchecked: the decoder refuses first."""
+    lm = load_model(llama_artifact[1])
+    _, cache = _caches(lm, "auto", max_len=32)
+    decoder = _native(lm, cache)
+    ok = torch.tensor([3])
+    with torch.inference_mode():
+        for tokens, slots, positions, what in (
+            (ok, [4], [0], "slots"),
+            (ok, [0], [32], "positions"),
+            (ok, [0], [-1], "positions"),
+            (torch.tensor([lm.config.vocab_size]), [0], [0], "tokens"),
+        ):
+            with pytest.raises(IndexError, match=what):
+                decoder.decode(tokens, slots, positions, cache)
