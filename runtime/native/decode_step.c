@@ -283,20 +283,25 @@ static void run_parallel(job_fn fn, void *arg) {
 
 /* rows [r0, r1) of y (M, N) = x (M, K) @ W.T, x already rounded as the layer takes it */
 
-/* INT4, one block of `nb` rows split (d, d + nb/2): per op group, the unscaled codes times x
- * accumulate in registers, then y += scale * acc + (zero - 8 * scale) * sum(x over the group).
- * The scale / zero pairs of 16 rows are 16 uint32: scale in the low half, zero in the high half. */
+/* The 64 codes of one k of a 64-row split block (32 bytes: byte d holds rows d and d + 32) as floats,
+ * rows in order: 0-15, 16-31, 32-47, 48-63. */
+AVX512 static inline void int4_codes64_avx512(const uint8_t *p, __m512 out[4]) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m512i e0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));      /* rows 0-15, 32-47 */
+    const __m512i e1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)); /* rows 16-31, 48-63 */
+    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(e0, low4));
+    out[1] = _mm512_cvtepi32_ps(_mm512_and_si512(e1, low4));
+    out[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4));
+    out[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4));
+}
+
 /* the group's codes of one 64-row block as floats, (group, 64) rows in order: for several tokens */
 AVX512 static void int4_group64_floats_avx512(const uint8_t *p, int group, float *wq) {
-    const __m512i low4 = _mm512_set1_epi32(15);
     for (int kk = 0; kk < group; kk++, p += 32, wq += 64) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *)p);
-        const __m512i e0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
-        const __m512i e1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
-        _mm512_storeu_ps(wq, _mm512_cvtepi32_ps(_mm512_and_si512(e0, low4)));
-        _mm512_storeu_ps(wq + 16, _mm512_cvtepi32_ps(_mm512_and_si512(e1, low4)));
-        _mm512_storeu_ps(wq + 32, _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4)));
-        _mm512_storeu_ps(wq + 48, _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4)));
+        __m512 w[4];
+        int4_codes64_avx512(p, w);
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(wq + 16 * j, w[j]);
     }
 }
 
@@ -317,30 +322,27 @@ AVX512 static inline void int4_scale64_avx512(const uint32_t *sz, const float *o
     }
 }
 
+/* INT4, one block of 64 rows split (d, d + 32): per op group, the unscaled codes times x accumulate
+ * in registers, then y += scale * acc + (zero - 8 * scale) * sum(x over the group).
+ * The scale / zero pairs of 16 rows are 16 uint32: scale in the low half, zero in the high half. */
 AVX512 static void int4_block64_avx512(const kiln_linear *L, const float *x, const float *xsum, int m_rows,
                                        int r0, float *acc, float *wq, int fold) {
     const int k = L->k, group = L->op_group, groups = k / group;
     const uint8_t *base = (const uint8_t *)L->weight + (size_t)r0 * (k / 2);
-    const __m512i low4 = _mm512_set1_epi32(15);
     for (int i = 0; i < m_rows * 64; i++) acc[i] = 0.0f;
     for (int g = 0; g < groups; g++) {
         const uint32_t *sz = (const uint32_t *)(L->scales + ((size_t)g * L->n + r0) * 2);
         const float *off = fold ? L->zero_offsets + (size_t)g * L->n + r0 : NULL;
         const uint8_t *pg = base + (size_t)g * group * 32;
         if (m_rows == 1) { /* one token: convert and multiply in registers */
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m512 parts[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int kk = 0; kk < group; kk++) {
                 _mm_prefetch((const char *)(pg + (size_t)kk * 32 + PREFETCH_BYTES), _MM_HINT_T0);
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(pg + (size_t)kk * 32));
-                const __m512i e0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));      /* rows 0-15, 32-47 */
-                const __m512i e1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)); /* 16-31, 48-63 */
+                __m512 w[4];
+                int4_codes64_avx512(pg + (size_t)kk * 32, w);
                 const __m512 xv = _mm512_set1_ps(x[g * group + kk]);
-                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(e0, low4)), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(e1, low4)), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4)), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4)), xv, a3);
+                for (int j = 0; j < 4; j++) parts[j] = _mm512_fmadd_ps(w[j], xv, parts[j]);
             }
-            const __m512 parts[4] = {a0, a1, a2, a3};
             int4_scale64_avx512(sz, off, parts, xsum[g], acc);
             continue;
         }
