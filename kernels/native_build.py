@@ -38,9 +38,11 @@ class NativeLibrary:
         flags: tuple[str, ...],
         declare: Callable[[ctypes.CDLL], None],
         libs: tuple[str, ...] = (),
+        headers: tuple[Path, ...] = (),
     ) -> None:
         self.what = what  # for log lines: "native FP8 quantizer"
         self.source = source
+        self.headers = headers  # included by the source (from their folders): part of the build's key
         self.flags = flags
         self.libs = libs
         self.declare = declare
@@ -61,9 +63,8 @@ class NativeLibrary:
 
     def built_path(self) -> Path:
         """Where the build of this source with these flags lies (or will)."""
-        key = hashlib.sha256(self.source.read_bytes() + repr((self.flags, self.libs)).encode()).hexdigest()[
-            :16
-        ]
+        text = b"".join(p.read_bytes() for p in (self.source, *self.headers))
+        key = hashlib.sha256(text + repr((self.flags, self.libs)).encode()).hexdigest()[:16]
         cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kiln" / "native")
         return cache / f"{self.source.stem}-{key}.so"
 
@@ -91,8 +92,9 @@ class NativeLibrary:
             cache.mkdir(parents=True, exist_ok=True)
             tmp = cache / f".{built.name}.{os.getpid()}.{threading.get_ident()}"
             try:
+                includes = [f"-I{folder}" for folder in dict.fromkeys(h.parent for h in self.headers)]
                 subprocess.run(
-                    [cc, *self.flags, "-o", str(tmp), str(self.source), *self.libs],
+                    [cc, *self.flags, *includes, "-o", str(tmp), str(self.source), *self.libs],
                     capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=True,
                 )  # fmt: skip
                 os.replace(tmp, built)  # concurrent builders each replace it with the same bytes

@@ -50,6 +50,7 @@ KERNELS: tuple[str, ...] = (
     "kernels.gptq_wna16:GptqWNA16Kernel",
     "kernels.fp8_marlin:Fp8MarlinKernel",
     "kernels.fp8_w8a16:Fp8W8A16Kernel",
+    "kernels.cpu_w4a8:CpuW4A8Kernel",
     "kernels.cpu_int4:CpuInt4Kernel",
     "kernels.cpu_w8a8:CpuW8A8Kernel",
     "kernels.cpu_int8:CpuInt8Kernel",

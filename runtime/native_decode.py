@@ -2,8 +2,9 @@
 (runtime/native/decode_step.c), instead of ≈1,000 small torch ops dispatched from Python per token.
 
 `native_decoder(model, cache)` describes the bound model to the library once — pointers to the
-tensors the loader mapped, in the CPU kernels' own layouts (cpu_int4's torch pack, cpu_int8, dense) —
-and returns a `NativeDecoder` whose `decode` has `LlamaForCausalLM.decode`'s signature and results
+tensors the loader mapped, in the CPU kernels' own layouts (cpu_int4's torch pack, cpu_int8, dense,
+cpu_w4a8's integer-dot layout through that kernel's own bodies, kernels/native/w4a8_gemv.h) — and
+returns a `NativeDecoder` whose `decode` has `LlamaForCausalLM.decode`'s signature and results
 (the same rounding points; logits within accumulation-order differences, the LM head exact in fp32
 where the eager one rounds all but its top logits to bf16). The eager forward stays the reference
 and the fallback: for what the native step does not cover (MoE, MLA, windows, sinks, TP, act-order,
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_w4a8
 from kernels.native_build import NativeLibrary
 from runtime.kv_cache import KVCache
 from runtime.layers import KernelLinear
@@ -43,7 +45,7 @@ FLAGS = (
 MAX_BATCH = 256  # decode_step.c's limit
 MAX_HEAD_DIM = 512  # its RoPE buffer
 
-W_INT4, W_INT8, W_F32, W_BF16, W_F16 = 0, 1, 2, 3, 4
+W_INT4, W_INT8, W_F32, W_BF16, W_F16, W_W4A8 = 0, 1, 2, 3, 4, 5
 DENSE_KINDS = {torch.float32: W_F32, torch.bfloat16: W_BF16, torch.float16: W_F16}
 ISA_NAMES = ("scalar", "avx2", "avx512")  # kiln_set_isa's levels
 KV_F32, KV_BF16, KV_FP8 = 0, 1, 2
@@ -56,7 +58,7 @@ class KilnLinear(ctypes.Structure):
         ("block_n", ctypes.c_int32), ("split", ctypes.c_int32), ("op_group", ctypes.c_int32),
         ("zo_groups", ctypes.c_int32), ("round_out", ctypes.c_int32),
         ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-        ("zero_offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("zero_offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w4a8_scales", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -100,7 +102,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_set_isa.restype = ctypes.c_int
 
 
-LIBRARY = NativeLibrary("native decode step", SOURCE, FLAGS, _declare, libs=("-lm",))
+LIBRARY = NativeLibrary(
+    "native decode step", SOURCE, FLAGS, _declare, libs=("-lm",), headers=(cpu_w4a8.HEADER,)
+)
 
 
 class Unsupported(Exception):
@@ -153,6 +157,11 @@ def describe_linear(layer: KernelLinear, *, round_io: bool) -> LinearDescription
         s.weight, s.scales = qweight.data_ptr(), sz.data_ptr()
         if offsets is not None:
             s.zo_groups, s.zero_offsets = offsets.shape[0], offsets.data_ptr()
+    elif kernel.name == cpu_w4a8.CpuW4A8Kernel.name:
+        qweight, scales = held(tensors["qweight"]), held(tensors["scales"])
+        assert qweight is not None and scales is not None
+        s.kind, s.op_group = W_W4A8, cpu_w4a8.group_of(spec)
+        s.weight, s.w4a8_scales = qweight.data_ptr(), scales.data_ptr()
     elif kernel.name == "cpu_int8":
         qweight, scales = held(tensors["qweight"]), held(tensors["scales"], torch.bfloat16)
         assert qweight is not None and scales is not None

@@ -398,10 +398,11 @@ def build_artifact(
     progress: Callable[[Any], None] | None = None,
     disabled_kernels: tuple[str, ...] = (),
     quantize_head: str | None = None,
+    int8_activations: bool = False,
 ) -> Path:
     """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed);
     `disabled_kernels` leaves kernels out of the choice (e.g. cpu_w8a8 to run W8A8 as W8A16),
-    `quantize_head` is `kiln convert --quantize-head`."""
+    `quantize_head` is `kiln convert --quantize-head`, `int8_activations` `--int8-activations`."""
     from filelock import FileLock
 
     from services.convert.library import ConversionRequest, convert
@@ -416,6 +417,7 @@ def build_artifact(
             out=str(out),
             disabled_kernels=disabled_kernels,
             quantize_head=quantize_head,  # type: ignore[arg-type]
+            int8_activations=int8_activations,
         )
         (result,) = convert(request, progress=progress)
     return Path(result.uri)

@@ -13,6 +13,8 @@
  *          scales_and_zeros (K/op_group, N, 2) bf16; optional exact zero offsets (G, N) fp32.
  *   INT8   kernels/cpu_int8.py: (N, K) int8 and (N,) bf16 scales.
  *   F32 / BF16 / F16  dense (N, K) weights (F16: a tied fp16 embedding as the LM head).
+ *   W4A8   kernels/cpu_w4a8.py: 4-bit codes x int8 activations, its bodies included from
+ *          kernels/native/w4a8_gemv.h (one home for the kernel and its layout).
  * Built by runtime/native_decode.py with the machine's compiler; `target_clones` picks the
  * AVX-512, AVX2 or baseline body of each hot loop on the CPU that loads it.
  */
@@ -29,6 +31,8 @@
 #include <unistd.h>
 
 #include <immintrin.h>
+
+#include "w4a8_gemv.h"
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -47,6 +51,7 @@ static int isa = ISA_SCALAR;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static int detected_isa = ISA_SCALAR;
+static int detected_w4a8 = W4A8_SCALAR, w4a8_level = W4A8_SCALAR; /* cpu_w4a8's body, under the same cap */
 
 static void detect_isa(void) {
     __builtin_cpu_init();
@@ -56,27 +61,30 @@ static void detect_isa(void) {
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         detected_isa = ISA_AVX2;
     isa = detected_isa;
+    detected_w4a8 = w4a8_level = w4a8_detect();
 }
 
 /* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512; tests run each one): the one set. */
 int kiln_set_isa(int cap) {
     pthread_once(&isa_once, detect_isa);
     isa = cap < detected_isa ? cap : detected_isa;
+    w4a8_level = cap < detected_w4a8 ? cap : detected_w4a8;
     return isa;
 }
 
-enum { W_INT4 = 0, W_INT8 = 1, W_F32 = 2, W_BF16 = 3, W_F16 = 4 };
+enum { W_INT4 = 0, W_INT8 = 1, W_F32 = 2, W_BF16 = 3, W_F16 = 4, W_W4A8 = 5 };
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
 
 typedef struct {
     int32_t kind, n, k;
-    int32_t block_n, split, op_group; /* INT4 */
+    int32_t block_n, split, op_group; /* INT4; W4A8: op_group is the weight group */
     int32_t zo_groups;                /* INT4: rows of zero_offsets, 0 when none */
     int32_t round_out;                /* round the output to bf16 */
-    const void *weight;               /* INT4 (N, K/2) u8 | INT8 (N, K) i8 | (N, K) f32 / bf16 */
+    const void *weight;               /* INT4 (N, K/2) u8 | INT8 (N, K) i8 | (N, K) f32 / bf16 | W4A8 codes */
     const uint16_t *scales;           /* INT4 (K/op_group, N, 2) bf16 | INT8 (N,) bf16 */
     const float *zero_offsets;        /* INT4 (zo_groups, N) */
     const float *bias;                /* (N,) or NULL */
+    const float *w4a8_scales;         /* W4A8 (N/16, G, 2, 16) */
 } kiln_linear;
 
 typedef struct {
@@ -590,6 +598,16 @@ static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0
     const int n = L->n, k = L->k;
     switch (L->kind) {
     case W_INT4: int4_rows(L, x, m_rows, r0, r1, y, scratch); break;
+    case W_W4A8: {
+        /* every thread quantizes the layer's input for itself: microseconds, and no barrier */
+        const w4a8_weight W = {n, k, L->op_group, (const uint8_t *)L->weight, L->w4a8_scales};
+        int8_t *q;
+        float *sx, *csum;
+        const w4a8_acts A = w4a8_acts_in(scratch, m_rows, k, L->op_group, &q, &sx, &csum);
+        w4a8_quantize(w4a8_level, x, m_rows, k, L->op_group, q, sx, csum);
+        w4a8_rows(w4a8_level, &W, &A, m_rows, r0 / W4A8_ROWS, (r1 + W4A8_ROWS - 1) / W4A8_ROWS, y);
+        break;
+    }
     case W_INT8:
         pick_dots(W_INT8)(L->weight, k, x, m_rows, r0, r1, n, y);
         for (int m = 0; m < m_rows; m++)
@@ -863,6 +881,13 @@ static void step_job(void *arg, int tid, int nthreads) {
     linear_rows(md->head, st->normed, M, r0, r1, st->logits, scratch);
 }
 
+/* floats of per-thread scratch one layer needs for M tokens */
+static size_t linear_scratch_floats(const kiln_linear *L, int m_rows) {
+    if (L->kind == W_INT4) return (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64;
+    if (L->kind == W_W4A8) return w4a8_scratch_floats(m_rows, L->k, L->op_group);
+    return 16;
+}
+
 static size_t scratch_floats_for(const kiln_model *md, int m_rows) {
     size_t most = (size_t)md->max_len + md->head_dim; /* attention: scores and one row */
     const kiln_linear *all[4];
@@ -870,17 +895,12 @@ static size_t scratch_floats_for(const kiln_model *md, int m_rows) {
         const kiln_layer *ly = &md->layers[l];
         all[0] = &ly->qkv, all[1] = &ly->o, all[2] = &ly->gate_up, all[3] = &ly->down;
         for (int i = 0; i < 4; i++) {
-            const kiln_linear *L = all[i];
-            if (L->kind != W_INT4) continue;
-            size_t need = (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64;
+            const size_t need = linear_scratch_floats(all[i], m_rows);
             most = need > most ? need : most;
         }
     }
-    const kiln_linear *h = md->head;
-    if (h->kind == W_INT4) {
-        size_t need = (size_t)m_rows * (h->k / h->op_group + 64 + h->zo_groups) + (size_t)h->op_group * 64;
-        most = need > most ? need : most;
-    }
+    const size_t need = linear_scratch_floats(md->head, m_rows);
+    most = need > most ? need : most;
     return (most + 15) / 16 * 16;
 }
 
@@ -933,8 +953,7 @@ static void linear_job(void *arg, int tid, int nthreads) {
 
 int kiln_linear_apply(const kiln_linear *L, int m_rows, const float *x, float *y) {
     pthread_once(&isa_once, detect_isa);
-    size_t per = L->kind == W_INT4 ? (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64 : 16;
-    per = (per + 15) / 16 * 16;
+    const size_t per = (linear_scratch_floats(L, m_rows) + 15) / 16 * 16;
     float *scratch = aligned_alloc(64, per * pool.nthreads * sizeof(float));
     if (!scratch) return -1;
     linear_job_state s = {L, x, m_rows, y, scratch, per};

@@ -56,6 +56,16 @@ HeadOpt = Annotated[
 ]
 
 
+ActsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--int8-activations",
+        help="cpu target: 4-bit layers multiply int8-quantized activations with integer dot products "
+        "(cpu_w4a8; faster decode, slightly different numerics)",
+    ),
+]
+
+
 def _ranks(tp: int, ep: int | None) -> tuple[int, bool]:
     """(ranks, expert_parallel) from --tp / --ep: --ep N is N ranks with whole experts on each."""
     if ep is None:
@@ -103,13 +113,25 @@ def _kernel(name: str) -> object:
 
 
 def _spec(
-    source: str, target: str, method: str, fp8_scheme: str, tp: int, ep: int | None, head: str | None
+    source: str,
+    target: str,
+    method: str,
+    fp8_scheme: str,
+    tp: int,
+    ep: int | None,
+    head: str | None,
+    int8_activations: bool = False,
 ) -> ConversionSpec:
     """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
     from services.convert.library import parse_targets
 
     ranks, expert_parallel = _ranks(tp, ep)
-    options = {"fp8_scheme": fp8_scheme, "expert_parallel": expert_parallel, "quantize_head": head}
+    options = {
+        "fp8_scheme": fp8_scheme,
+        "expert_parallel": expert_parallel,
+        "quantize_head": head,
+        "int8_activations": int8_activations,
+    }
     targets = parse_targets(target)
     return conversion_spec(source=source, targets=targets, method=method, tp=ranks, options=options)
 
@@ -123,12 +145,14 @@ def plan_cmd(
     as_json: JsonOpt = False,
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
+    int8_activations: ActsOpt = False,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
     from services.convert.library import plan_targets
 
     try:
-        plans = plan_targets(_spec(source, target, method, fp8_scheme, tp, ep, quantize_head))
+        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations)
+        plans = plan_targets(spec)
     except KilnError as e:
         _fail(e)
         return
@@ -160,6 +184,7 @@ def convert_cmd(
     as_json: JsonOpt = False,
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
+    int8_activations: ActsOpt = False,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from services.convert.library import ConversionRequest, convert
@@ -168,7 +193,7 @@ def convert_cmd(
 
     settings = get_settings()
     try:
-        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head)
+        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations)
         req = ConversionRequest.from_spec(spec, out=out_url or settings.resolved_store_url)
     except KilnError as e:
         _fail(e)

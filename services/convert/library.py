@@ -60,6 +60,7 @@ class ConversionRequest:
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
     expert_parallel: bool = False
     quantize_head: HeadQuant | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
@@ -70,6 +71,7 @@ class ConversionRequest:
             "disabled_kernels": list(self.disabled_kernels),
             "expert_parallel": self.expert_parallel,
             "quantize_head": self.quantize_head,
+            "int8_activations": self.int8_activations,
         }
         return conversion_spec(
             source=self.source, targets=self.targets, method=self.method, tp=self.tp, options=options
@@ -81,7 +83,7 @@ class ConversionRequest:
         o = spec.options
         return cls(
             spec.source, list(spec.targets), spec.method, spec.tp, o.fp8_scheme, out,
-            tuple(o.disabled_kernels), o.expert_parallel, o.quantize_head,
+            tuple(o.disabled_kernels), o.expert_parallel, o.quantize_head, o.int8_activations,
         )  # fmt: skip
 
 
@@ -123,6 +125,7 @@ def plan(
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     quantize_head: HeadQuant | None = None,
+    int8_activations: bool = False,
     settings: ServiceSettings | None = None,
 ) -> Plan:
     """The plan of one target (a convenience over `plan_targets`)."""
@@ -130,6 +133,7 @@ def plan(
         "fp8_scheme": fp8_scheme,
         "disabled_kernels": list(disabled_kernels),
         "quantize_head": quantize_head,
+        "int8_activations": int8_activations,
     }
     spec = conversion_spec(
         source=source,
@@ -164,6 +168,7 @@ def _build_plan(
         disabled_kernels=effective_disabled_kernels(o.disabled_kernels, settings.disabled_kernels),
         expert_parallel=o.expert_parallel,
         quantize_head=o.quantize_head,
+        int8_activations=o.int8_activations,
     )
 
 

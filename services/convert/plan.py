@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.base import Target
+from kernels.cpu_w4a8 import CpuW4A8Kernel
 from kernels.errors import UnsupportedError
 from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
 from services.convert.checkpoint import Checkpoint
@@ -57,6 +58,7 @@ class Plan:
     expert_parallel: bool = False
     other_bytes: int = 0  # the other tensors as one rank file stores them
     quantize_head: str | None = None  # --quantize-head
+    int8_activations: bool = False  # --int8-activations
 
     def rank_bytes(self) -> list[int]:
         """Tensor bytes of each rank file, from the kernels' declared layouts (optional tensors, such as
@@ -83,6 +85,8 @@ class Plan:
             options["expert_parallel"] = True
         if self.quantize_head:
             options["quantize_head"] = self.quantize_head
+        if self.int8_activations:
+            options["int8_activations"] = True
         return options
 
     def layout_versions(self) -> dict[str, int]:
@@ -141,15 +145,21 @@ def build_plan(
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     quantize_head: str | None = None,
+    int8_activations: bool = False,
 ) -> Plan:
     _check_options(ckpt, fmt, tp, method, fp8_scheme)
     model = ModelConfig.from_hf(ckpt.config)
     act_dtype = act_dtype_for(model, target)
     has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
     _check_head_quant(quantize_head, target, model, has_lm_head)
+    if int8_activations and target is not Target.CPU:
+        raise UnsupportedError(
+            f"--int8-activations is for the cpu target (its cpu_w4a8 kernel); {target.value} keeps the "
+            "checkpoint's activations: convert GPU targets without it"
+        )
     ctx = PlanContext(
         ckpt, fmt, target, model, tp, method, fp8_scheme, act_dtype, disabled_kernels, expert_parallel,
-        has_lm_head, quantize_head,
+        has_lm_head, quantize_head, int8_activations,
     )  # fmt: skip
     check_pattern_work(fmt.name, fmt.pattern_count, sum(kind.module_count(ctx) for kind in UNIT_KINDS))
     units = [unit for kind in UNIT_KINDS for unit in kind.plan(ctx)]
@@ -176,15 +186,28 @@ def build_plan(
     if quantize_head:
         tied = f" from the tied {EMBEDDING_TENSOR} (kept 16-bit for the lookup)" if not has_lm_head else ""
         notes.append(f"--quantize-head {quantize_head}: lm_head quantized online{tied}")
+    if int8_activations:
+        notes.append(_int8_activations_note(units))
     return Plan(
         source=ckpt.uri, format=fmt.name, quantization=fmt.quantization, target=target, tp=tp,
         method=method, fp8_scheme=fp8_scheme, act_dtype=act_dtype, model=model, units=units,
         other_tensors=others, notes=notes, expert_parallel=expert_parallel,
         other_bytes=other_tensor_bytes(ckpt, others, act_dtype), quantize_head=quantize_head,
+        int8_activations=int8_activations,
     )  # fmt: skip
 
 
 EMBEDDING_TENSOR = f"{EMBEDDING_MODULE}.weight"
+
+
+def _int8_activations_note(units: list[PlanUnit]) -> str:
+    taken = sum(1 for u in units if u.kernel.name == CpuW4A8Kernel.name)
+    if not taken:
+        return "--int8-activations: no layer is a 4-bit integer one without act-order; nothing changes"
+    return (
+        f"--int8-activations: {taken} 4-bit layer(s) multiply int8 activations (per token and weight group) "
+        "with integer dot products (cpu_w4a8): faster decode, slightly different numerics"
+    )
 
 
 def _check_head_quant(

@@ -22,6 +22,7 @@ from kernels.cpu_fp4 import CpuFp4Kernel
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
 from kernels.cpu_int8 import CpuInt8Kernel
+from kernels.cpu_w4a8 import CpuW4A8Kernel
 from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.dense import DenseKernel
 from kernels.registry import candidates
@@ -70,6 +71,7 @@ def _fp4() -> tuple[LinearKernel, SourceWeight, LinearSpec]:
 CPU_CASES = {
     "dense": _dense,
     "cpu_int4": _int(4, CpuInt4Kernel()),
+    "cpu_w4a8": _int(4, CpuW4A8Kernel(), int8_activations=True),
     "cpu_int8": _int(8, CpuInt8Kernel()),
     "cpu_w8a8": _int(8, CpuW8A8Kernel(), int8_activations=True),
     "cpu_fp8": _fp8,

@@ -41,7 +41,7 @@ INT8_W8A8 = spec(bits=8, group_size=-1, int8_activations=True)  # int8 activatio
 FP8 = spec("fp8", bits=8, group_size=-1, fp8_strategy="channel")
 DENSE = spec("dense", bits=16, group_size=-1)
 FP4 = spec("fp4", group_size=16, fp4_format="nvfp4")
-ALL_CPU_QUANTIZED = ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8"]
+ALL_CPU_QUANTIZED = ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8"]
 
 
 @pytest.fixture(autouse=True)
@@ -75,15 +75,16 @@ def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -
 @pytest.mark.parametrize(
     "layer,chosen,rejected",
     [
-        (INT4, "cpu_int4", []),
-        (INT8_CHANNEL, "cpu_int8", ["cpu_int4", "cpu_w8a8"]),
-        (INT8_W8A8, "cpu_w8a8", ["cpu_int4"]),
-        (FP8, "cpu_fp8", ["cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4"]),
+        (INT4, "cpu_int4", ["cpu_w4a8"]),  # int8 activations only where the conversion asked
+        (spec(int8_activations=True), "cpu_w4a8", []),
+        (INT8_CHANNEL, "cpu_int8", ["cpu_w4a8", "cpu_int4", "cpu_w8a8"]),
+        (INT8_W8A8, "cpu_w8a8", ["cpu_w4a8", "cpu_int4"]),
+        (FP8, "cpu_fp8", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4"]),
         (DENSE, "dense", ALL_CPU_QUANTIZED),
         (INT8_GROUPED, "dense", ALL_CPU_QUANTIZED),
         (spec(n=40), "dense", ALL_CPU_QUANTIZED),  # N % 16: the int4 pack refuses
         (spec(bits=3), "dense", ALL_CPU_QUANTIZED),
-        (FP4, "cpu_fp4", ["cpu_int4", "cpu_w8a8", "cpu_int8"]),
+        (FP4, "cpu_fp4", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8"]),
     ],
 )
 def test_cpu_choose_first_fit_and_record_rejections(
@@ -232,7 +233,7 @@ EXPECTED_PRIORITY = {
     Target.SM86: _AMPERE,
     Target.SM80: _AMPERE,
     Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
-    Target.CPU: ("cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8", "dense"),
+    Target.CPU: ("cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8", "dense"),
 }
 THROWAWAY_KERNEL = """
 import torch

@@ -67,6 +67,7 @@ class PlanContext:
     expert_parallel: bool
     has_lm_head: bool
     quantize_head: str | None = None  # --quantize-head
+    int8_activations: bool = False  # --int8-activations: 4-bit layers take int8 activations
 
     @property
     def tied_head(self) -> bool:

@@ -15,6 +15,7 @@ at a time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -201,6 +202,8 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     keep = online is None or (layout.full_precision and not head) or quant.scheme != "dense"
     target_quant = quant if keep else online
     assert target_quant is not None
+    if ctx.int8_activations and takes_int8_activations(target_quant):
+        target_quant = dataclasses.replace(target_quant, int8_activations=True)
     sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
     has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
     specs = rank_specs(layout, target_quant, ctx.model, ctx.tp, ctx.act_dtype, has_bias)
@@ -217,6 +220,12 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
         layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
         " + ".join(label for label in labels if label),
     )  # fmt: skip
+
+
+def takes_int8_activations(quant: LayerQuant) -> bool:
+    """Whether --int8-activations moves a layer of `quant` onto int8 activations (cpu_w4a8): 4-bit
+    integer layers; act-order ones stay on cpu_int4 (no permuted cpu_w4a8 layout)."""
+    return quant.scheme == "int" and quant.bits == 4 and not quant.act_order
 
 
 def _head_source_quant(ctx: PlanContext, layout: LinearLayout) -> LayerQuant:

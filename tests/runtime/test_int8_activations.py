@@ -1,0 +1,81 @@
+"""`kiln convert --int8-activations` on the real SmolLM2 GPTQ checkpoint: every 4-bit layer becomes a
+verified cpu_w4a8 layer, the option is recorded (another artifact id), the runtime serves it — the
+native decode step and the eager forward both on the kernel's library — and it answers as the
+weight-only artifact does.
+
+Perplexity cost on the fixed text of tests/runtime/test_real_model.py (same windows), against the
+same checkpoint converted without the option: +0.44 % measured (27.019 -> 27.138, 2026-12-05, Xeon
+AVX-512 VNNI); bound W4A8_PPL_REL_TOL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from devtools.builders import smollm2
+from devtools.eval import runtime_logits_fn, text_perplexity
+from kernels.errors import UnsupportedError
+from runtime.artifact.manifest import Manifest
+from runtime.loader import load_model
+from services.convert.library import plan
+
+W4A8_PPL_REL_TOL = 0.01  # int8 activations per weight group of 64
+
+
+def test_every_4bit_layer_is_a_verified_cpu_w4a8_layer(
+    smollm2_artifact_cpu_w4a8_gptq: Path, smollm2_artifact_cpu_int4_gptq: Path
+) -> None:
+    manifest = Manifest.parse((smollm2_artifact_cpu_w4a8_gptq / "manifest.json").read_text())
+    assert {e.kernel for e in manifest.layers.values()} == {"cpu_w4a8"}
+    for name, entry in manifest.layers.items():
+        assert entry.linear_spec().int8_activations, name
+        assert entry.verification is not None and entry.verification.ok, name
+    assert manifest.options == {"int8_activations": True}
+    plain = Manifest.parse((smollm2_artifact_cpu_int4_gptq / "manifest.json").read_text())
+    assert plain.artifact_id != manifest.artifact_id
+
+
+def test_int8_activations_cost_under_one_percent_of_perplexity(
+    smollm2_artifact_cpu_w4a8_gptq: Path, smollm2_artifact_cpu_int4_gptq: Path
+) -> None:
+    torch.set_num_threads(2)
+    text = smollm2.PERPLEXITY_TEXT.read_text()
+    ppl = {}
+    for name, path in (("bf16", smollm2_artifact_cpu_int4_gptq), ("int8", smollm2_artifact_cpu_w4a8_gptq)):
+        loaded = load_model(path)
+        assert loaded.tokenizer is not None
+        result = text_perplexity(runtime_logits_fn(loaded), loaded.tokenizer, text)
+        assert result.windows == 4 and result.tokens_scored == 4 * 511
+        ppl[name] = result.perplexity
+    change = ppl["int8"] / ppl["bf16"] - 1
+    print(f"\nperplexity bf16 activations {ppl['bf16']:.4f}, int8 {ppl['int8']:.4f} ({change:+.3%})")
+    assert abs(change) <= W4A8_PPL_REL_TOL, ppl
+
+
+@pytest.mark.parametrize("decode_step", ["native", "eager"])
+def test_the_w4a8_artifact_answers_paris(
+    smollm2_artifact_cpu_w4a8_gptq: Path, decode_step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devtools.demo import answer
+    from runtime import settings as settings_module
+
+    monkeypatch.setenv("KILN_DECODE_STEP", decode_step)
+    monkeypatch.setattr(settings_module, "_current", None)
+    result = answer(smollm2_artifact_cpu_w4a8_gptq)
+    assert "Paris" in result.text, result.text
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90"])
+def test_a_gpu_target_refuses_int8_activations_by_name(smollm2_gptq: Path, target: str) -> None:
+    with pytest.raises(UnsupportedError, match=f"--int8-activations is for the cpu target.*{target}"):
+        plan(str(smollm2_gptq), target, int8_activations=True)
+
+
+def test_the_plan_says_which_layers_take_int8_activations(smollm2_gptq: Path) -> None:
+    p = plan(str(smollm2_gptq), "cpu", int8_activations=True)
+    assert {r.kernel for r in p.rows} == {"cpu_w4a8"}
+    assert all("int8 activations" in r.scheme for r in p.rows)
+    assert any(n.startswith(f"--int8-activations: {len(p.rows)} 4-bit layer(s)") for n in p.notes)
+    assert p.options == {"int8_activations": True}
