@@ -2,8 +2,8 @@
 (runtime/native/decode_step.c), instead of ≈1,000 small torch ops dispatched from Python per token.
 
 `native_decoder(model, cache)` describes the bound model to the library once — pointers to the
-tensors the loader mapped, in the CPU kernels' own layouts (cpu_int4's torch pack, cpu_int8, dense,
-cpu_w4a8's integer-dot layout through that kernel's own bodies, kernels/native/w4a8_gemv.h) — and
+tensors the loader mapped, in the CPU kernels' own layouts (cpu_int4's torch pack, cpu_int8, cpu_w8a8,
+dense, cpu_w4a8's integer-dot layout through that kernel's own bodies, kernels/native/w4a8_gemv.h) — and
 returns a `NativeDecoder` whose `decode` has `LlamaForCausalLM.decode`'s signature and results
 (the same rounding points; logits within accumulation-order differences, the LM head exact in fp32
 where the eager one rounds all but its top logits to bf16). The eager forward stays the reference
@@ -44,8 +44,9 @@ FLAGS = (
 )
 MAX_BATCH = 256  # decode_step.c's limit
 MAX_HEAD_DIM = 512  # its RoPE buffer
+MAX_GQA = 64  # query heads per kv head (its attention's per-group arrays)
 
-W_INT4, W_INT8, W_F32, W_BF16, W_F16, W_W4A8 = 0, 1, 2, 3, 4, 5
+W_INT4, W_INT8, W_F32, W_BF16, W_F16, W_W4A8, W_W8A8 = 0, 1, 2, 3, 4, 5, 6
 DENSE_KINDS = {torch.float32: W_F32, torch.bfloat16: W_BF16, torch.float16: W_F16}
 ISA_NAMES = ("scalar", "avx2", "avx512")  # kiln_set_isa's levels
 KV_F32, KV_BF16, KV_FP8 = 0, 1, 2
@@ -58,7 +59,7 @@ class KilnLinear(ctypes.Structure):
         ("block_n", ctypes.c_int32), ("split", ctypes.c_int32), ("op_group", ctypes.c_int32),
         ("zo_groups", ctypes.c_int32), ("round_out", ctypes.c_int32),
         ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-        ("zero_offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w4a8_scales", ctypes.c_void_p),
+        ("zero_offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("scales32", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -161,7 +162,11 @@ def describe_linear(layer: KernelLinear, *, round_io: bool) -> LinearDescription
         qweight, scales = held(tensors["qweight"]), held(tensors["scales"])
         assert qweight is not None and scales is not None
         s.kind, s.op_group = W_W4A8, cpu_w4a8.group_of(spec)
-        s.weight, s.w4a8_scales = qweight.data_ptr(), scales.data_ptr()
+        s.weight, s.scales32 = qweight.data_ptr(), scales.data_ptr()
+    elif kernel.name == "cpu_w8a8":
+        qweight, scales = held(tensors["qweight"]), held(tensors["scales"], torch.float32)
+        assert qweight is not None and scales is not None
+        s.kind, s.weight, s.scales32 = W_W8A8, qweight.data_ptr(), scales.data_ptr()
     elif kernel.name == "cpu_int8":
         qweight, scales = held(tensors["qweight"]), held(tensors["scales"], torch.bfloat16)
         assert qweight is not None and scales is not None
@@ -315,6 +320,8 @@ def why_not_native(model: LlamaForCausalLM, cache: KVCache) -> str | None:
             return f"layer {i} has a sliding window or attention sinks"
         if attn.head_dim > MAX_HEAD_DIM or attn.head_dim % 2:
             return f"head_dim {attn.head_dim}"
+        if attn.num_heads // attn.num_kv_heads > MAX_GQA:
+            return f"{attn.num_heads // attn.num_kv_heads} query heads per kv head"
         if mlp.down_proj.spec is None:
             return f"layer {i} is not bound"
         widths.add(mlp.down_proj.spec.k)

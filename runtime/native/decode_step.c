@@ -15,6 +15,8 @@
  *   F32 / BF16 / F16  dense (N, K) weights (F16: a tied fp16 embedding as the LM head).
  *   W4A8   kernels/cpu_w4a8.py: 4-bit codes x int8 activations, its bodies included from
  *          kernels/native/w4a8_gemv.h (one home for the kernel and its layout).
+ *   W8A8   kernels/cpu_w8a8.py: (N, K) int8 x per-token int8 activations, (N,) fp32 scales; bit for
+ *          bit its torch path (exact int32 sums, then sum * scale_t * scale_n).
  * Built by runtime/native_decode.py with the machine's compiler; `target_clones` picks the
  * AVX-512, AVX2 or baseline body of each hot loop on the CPU that loads it.
  */
@@ -38,6 +40,7 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MAX_THREADS 64
 #define MAX_BATCH 256
+#define MAX_GQA 64 /* query heads per kv head */
 #ifndef DOTS_PREFETCH_BYTES
 #define DOTS_PREFETCH_BYTES 8192
 #endif
@@ -72,7 +75,7 @@ int kiln_set_isa(int cap) {
     return isa;
 }
 
-enum { W_INT4 = 0, W_INT8 = 1, W_F32 = 2, W_BF16 = 3, W_F16 = 4, W_W4A8 = 5 };
+enum { W_INT4 = 0, W_INT8 = 1, W_F32 = 2, W_BF16 = 3, W_F16 = 4, W_W4A8 = 5, W_W8A8 = 6 };
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
 
 typedef struct {
@@ -84,7 +87,7 @@ typedef struct {
     const uint16_t *scales;           /* INT4 (K/op_group, N, 2) bf16 | INT8 (N,) bf16 */
     const float *zero_offsets;        /* INT4 (zo_groups, N) */
     const float *bias;                /* (N,) or NULL */
-    const float *w4a8_scales;         /* W4A8 (N/16, G, 2, 16) */
+    const float *scales32;            /* W4A8 (N/16, G, 2, 16) | W8A8 (N,) */
 } kiln_linear;
 
 typedef struct {
@@ -580,6 +583,135 @@ ROW_DOTS(dots_bf16_scalar, , uint16_t, float, 1, scalar_zero, scalar_fma, scalar
 
 typedef void (*dots_fn)(const void *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y);
 
+/* ---------------------------------------------------------------- W8A8 */
+
+#define W8A8_MIN_AMAX 1e-10f /* kernels/codecs/int8.py MIN_AMAX */
+#define W8A8_SCALE_DIVISOR 127.5f
+
+/* cpu_w8a8's per-token activations: s = max(amax, MIN_AMAX) / 127.5, q = clamp(rint(x / s), -128,
+ * 127), kept as q + 128: vpdpbusd's unsigned operand */
+static void w8a8_quantize_row(const float *x, int k, uint8_t *xu, float *scale) {
+    float amax = 0.0f;
+    for (int i = 0; i < k; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float s = (amax > W8A8_MIN_AMAX ? amax : W8A8_MIN_AMAX) / W8A8_SCALE_DIVISOR;
+    for (int i = 0; i < k; i++) {
+        float v = nearbyintf(x[i] / s);
+        v = v < -128.0f ? -128.0f : v > 127.0f ? 127.0f : v;
+        xu[i] = (uint8_t)((int)v + 128);
+    }
+    *scale = s;
+}
+
+static inline float w8a8_out(int32_t sum, float scale_t, float scale_n) { return ((float)sum * scale_t) * scale_n; }
+
+/* rows [r0, r1) in tiles of 4 rows x 4 tokens; sum (q + 128) * w - 128 * sum w = sum q * w */
+W4A8_ATTR_AVX512 static void w8a8_rows_avx512(const int8_t *w, const float *ws, int k, const uint8_t *xu,
+                                             const float *xs, int m_rows, int r0, int r1, int n, float *y) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    const int kv = k / 64 * 64;
+    for (int r = r0; r < r1; r += 4) {
+        const int8_t *wr[4];
+        int32_t wsum[4];
+        for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(r + i < r1 ? r + i : r1 - 1) * k;
+        __m512i s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm512_setzero_si512();
+        for (int kk = 0; kk < kv; kk += 64) /* the rows' sums, bringing them into L1 */
+            for (int i = 0; i < 4; i++) {
+                _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0);
+                s[i] = _mm512_dpbusd_epi32(s[i], ones, _mm512_loadu_si512((const void *)(wr[i] + kk)));
+            }
+        for (int i = 0; i < 4; i++) {
+            wsum[i] = _mm512_reduce_add_epi32(s[i]);
+            for (int t = kv; t < k; t++) wsum[i] += wr[i][t];
+        }
+        for (int m = 0; m < m_rows; m += 4) {
+            const uint8_t *xm[4];
+            for (int j = 0; j < 4; j++) xm[j] = xu + (size_t)(m + j < m_rows ? m + j : m_rows - 1) * k;
+            __m512i a[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 4; i++) a[j][i] = _mm512_setzero_si512();
+            for (int kk = 0; kk < kv; kk += 64) {
+                __m512i wv[4];
+                for (int i = 0; i < 4; i++) wv[i] = _mm512_loadu_si512((const void *)(wr[i] + kk));
+                for (int j = 0; j < 4; j++) {
+                    const __m512i xv = _mm512_loadu_si512((const void *)(xm[j] + kk));
+                    for (int i = 0; i < 4; i++) a[j][i] = _mm512_dpbusd_epi32(a[j][i], xv, wv[i]);
+                }
+            }
+            for (int j = 0; j < 4 && m + j < m_rows; j++)
+                for (int i = 0; i < 4 && r + i < r1; i++) {
+                    int32_t sum = _mm512_reduce_add_epi32(a[j][i]);
+                    for (int t = kv; t < k; t++) sum += (int32_t)xm[j][t] * wr[i][t];
+                    y[(size_t)(m + j) * n + r + i] = w8a8_out(sum - 128 * wsum[i], xs[m + j], ws[r + i]);
+                }
+        }
+    }
+}
+
+/* 16-bit products (vpmaddwd): tiles of 4 rows x 2 tokens */
+AVX2 static void w8a8_rows_avx2(const int8_t *w, const float *ws, int k, const uint8_t *xu, const float *xs,
+                               int m_rows, int r0, int r1, int n, float *y) {
+    const __m256i bias = _mm256_set1_epi16(128);
+    const int kv = k / 16 * 16;
+    for (int r = r0; r < r1; r += 4) {
+        const int8_t *wr[4];
+        for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(r + i < r1 ? r + i : r1 - 1) * k;
+        for (int m = 0; m < m_rows; m += 2) {
+            const uint8_t *xm[2];
+            for (int j = 0; j < 2; j++) xm[j] = xu + (size_t)(m + j < m_rows ? m + j : m_rows - 1) * k;
+            __m256i a[2][4];
+            for (int j = 0; j < 2; j++)
+                for (int i = 0; i < 4; i++) a[j][i] = _mm256_setzero_si256();
+            for (int kk = 0; kk < kv; kk += 16) {
+                __m256i wv[4];
+                if (m == 0 && kk % 64 == 0)
+                    for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0);
+                for (int i = 0; i < 4; i++) wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[i] + kk)));
+                for (int j = 0; j < 2; j++) {
+                    const __m256i xv =
+                        _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(xm[j] + kk))), bias);
+                    for (int i = 0; i < 4; i++) a[j][i] = _mm256_add_epi32(a[j][i], _mm256_madd_epi16(wv[i], xv));
+                }
+            }
+            for (int j = 0; j < 2 && m + j < m_rows; j++)
+                for (int i = 0; i < 4 && r + i < r1; i++) {
+                    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a[j][i]), _mm256_extracti128_si256(a[j][i], 1));
+                    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+                    int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+                    for (int t = kv; t < k; t++) sum += ((int32_t)xm[j][t] - 128) * wr[i][t];
+                    y[(size_t)(m + j) * n + r + i] = w8a8_out(sum, xs[m + j], ws[r + i]);
+                }
+        }
+    }
+}
+
+static void w8a8_rows_scalar(const int8_t *w, const float *ws, int k, const uint8_t *xu, const float *xs, int m_rows,
+                             int r0, int r1, int n, float *y) {
+    for (int m = 0; m < m_rows; m++)
+        for (int r = r0; r < r1; r++) {
+            const int8_t *wr = w + (size_t)r * k;
+            const uint8_t *xm = xu + (size_t)m * k;
+            int32_t sum = 0;
+            for (int t = 0; t < k; t++) sum += ((int32_t)xm[t] - 128) * wr[t];
+            y[(size_t)m * n + r] = w8a8_out(sum, xs[m], ws[r]);
+        }
+}
+
+/* rows [r0, r1) of a W8A8 layer: this thread quantizes the input for itself, then multiplies */
+static void w8a8_rows(const kiln_linear *L, const float *x, int m_rows, int r0, int r1, float *y, float *scratch) {
+    const int k = L->k;
+    float *xs = scratch;
+    uint8_t *xu = (uint8_t *)(scratch + ((m_rows + 15) / 16 * 16));
+    for (int m = 0; m < m_rows; m++) w8a8_quantize_row(x + (size_t)m * k, k, xu + (size_t)m * k, xs + m);
+    const int8_t *w = (const int8_t *)L->weight;
+    if (w4a8_level == W4A8_AVX512) w8a8_rows_avx512(w, L->scales32, k, xu, xs, m_rows, r0, r1, L->n, y);
+    else if (w4a8_level == W4A8_AVX2) w8a8_rows_avx2(w, L->scales32, k, xu, xs, m_rows, r0, r1, L->n, y);
+    else w8a8_rows_scalar(w, L->scales32, k, xu, xs, m_rows, r0, r1, L->n, y);
+}
+
 static dots_fn pick_dots(int kind) {
     static const void *table[4][3] = {
         {(const void *)dots_f32_scalar, (const void *)dots_f32_avx2, (const void *)dots_f32_avx512},
@@ -598,9 +730,10 @@ static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0
     const int n = L->n, k = L->k;
     switch (L->kind) {
     case W_INT4: int4_rows(L, x, m_rows, r0, r1, y, scratch); break;
+    case W_W8A8: w8a8_rows(L, x, m_rows, r0, r1, y, scratch); break;
     case W_W4A8: {
         /* every thread quantizes the layer's input for itself: microseconds, and no barrier */
-        const w4a8_weight W = {n, k, L->op_group, (const uint8_t *)L->weight, L->w4a8_scales};
+        const w4a8_weight W = {n, k, L->op_group, (const uint8_t *)L->weight, L->scales32};
         int8_t *q;
         float *sx, *csum;
         const w4a8_acts A = w4a8_acts_in(scratch, m_rows, k, L->op_group, &q, &sx, &csum);
@@ -694,58 +827,98 @@ static inline __attribute__((always_inline)) float fast_exp(float x) {
 
 /* One query head attends to positions [0, pos] of its kv head in `slot`: the cache rows are read
  * in their dtype and converted in registers (FP8 through the byte table, per row into `row`). */
+/* Attention of `nh` query heads of one kv head (q, out: (nh, d)), one token at position `pos`: each
+ * K and V row is read and widened once for all of them */
+typedef float (*dot_fn)(const float *a, const float *b, int n);
+
+static inline float dot_scalar(const float *a, const float *b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* 16 lanes at a time, reduced once (the generic reduction spilled and added 16 scalars per call) */
+AVX512 static inline float dot_avx512(const float *a, const float *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+AVX2 static inline float dot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 static inline __attribute__((always_inline)) void attend_body(const kiln_model *md, const kiln_layer *ly,
-                                                              const float *q, int slot, int pos, int kv_head,
-                                                              float *scratch, float *out) {
+                                                              const float *q, int nh, int slot, int pos,
+                                                              int kv_head, float *scratch, float *out,
+                                                              dot_fn dot) {
     const int d = md->head_dim, len = pos + 1, kind = md->kv_kind;
     const size_t base = (((size_t)slot * md->num_kv_heads + kv_head) * md->max_len) * d;
-    float *row = scratch, *scores = scratch + d;
-    float best = -INFINITY;
+    float *row = scratch, *scores = scratch + d; /* scores (nh, len) */
+    float best[MAX_GQA], inv[MAX_GQA];
+    for (int h = 0; h < nh; h++) best[h] = -INFINITY;
     for (int p = 0; p < len; p++) {
         const size_t at = base + (size_t)p * d;
-        float s = 0.0f;
+        const float *k = row;
         if (kind == KV_BF16) {
-            const uint16_t *k = (const uint16_t *)ly->k_cache + at;
-#pragma omp simd reduction(+ : s)
-            for (int i = 0; i < d; i++) s += q[i] * u2f((uint32_t)k[i] << 16);
+            const uint16_t *kb = (const uint16_t *)ly->k_cache + at;
+#pragma omp simd
+            for (int i = 0; i < d; i++) row[i] = u2f((uint32_t)kb[i] << 16);
         } else if (kind == KV_F32) {
-            const float *k = (const float *)ly->k_cache + at;
-#pragma omp simd reduction(+ : s)
-            for (int i = 0; i < d; i++) s += q[i] * k[i];
+            k = (const float *)ly->k_cache + at;
         } else {
-            const uint8_t *k = (const uint8_t *)ly->k_cache + at;
-            for (int i = 0; i < d; i++) row[i] = e4m3_table[k[i]];
-#pragma omp simd reduction(+ : s)
-            for (int i = 0; i < d; i++) s += q[i] * row[i];
-            s *= ly->k_scale;
+            const uint8_t *k8 = (const uint8_t *)ly->k_cache + at;
+            for (int i = 0; i < d; i++) row[i] = e4m3_table[k8[i]];
         }
-        s *= md->attn_scale;
-        scores[p] = s;
-        best = s > best ? s : best;
+        for (int h = 0; h < nh; h++) {
+            float s = dot(q + (size_t)h * d, k, d);
+            if (kind == KV_FP8) s *= ly->k_scale;
+            s *= md->attn_scale;
+            scores[(size_t)h * len + p] = s;
+            best[h] = s > best[h] ? s : best[h];
+        }
     }
-    float total = 0.0f;
+    for (int h = 0; h < nh; h++) {
+        float *sh = scores + (size_t)h * len, total = 0.0f;
+        const float top = best[h];
 #pragma omp simd reduction(+ : total)
-    for (int p = 0; p < len; p++) {
-        scores[p] = fast_exp(scores[p] - best);
-        total += scores[p];
+        for (int p = 0; p < len; p++) {
+            sh[p] = fast_exp(sh[p] - top);
+            total += sh[p];
+        }
+        inv[h] = 1.0f / total;
     }
-    const float inv = 1.0f / total;
-    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int i = 0; i < nh * d; i++) out[i] = 0.0f;
     for (int p = 0; p < len; p++) {
         const size_t at = base + (size_t)p * d;
-        const float w = scores[p] * inv;
+        const float *v = row;
         if (kind == KV_BF16) {
-            const uint16_t *v = (const uint16_t *)ly->v_cache + at;
+            const uint16_t *vb = (const uint16_t *)ly->v_cache + at;
 #pragma omp simd
-            for (int i = 0; i < d; i++) out[i] += w * u2f((uint32_t)v[i] << 16);
+            for (int i = 0; i < d; i++) row[i] = u2f((uint32_t)vb[i] << 16);
         } else if (kind == KV_F32) {
-            const float *v = (const float *)ly->v_cache + at;
-#pragma omp simd
-            for (int i = 0; i < d; i++) out[i] += w * v[i];
+            v = (const float *)ly->v_cache + at;
         } else {
-            const uint8_t *v = (const uint8_t *)ly->v_cache + at;
-            const float ws = w * ly->v_scale;
-            for (int i = 0; i < d; i++) out[i] += ws * e4m3_table[v[i]];
+            const uint8_t *v8 = (const uint8_t *)ly->v_cache + at;
+            for (int i = 0; i < d; i++) row[i] = e4m3_table[v8[i]];
+        }
+        for (int h = 0; h < nh; h++) {
+            float w = scores[(size_t)h * len + p] * inv[h];
+            if (kind == KV_FP8) w *= ly->v_scale;
+            float *oh = out + (size_t)h * d;
+#pragma omp simd
+            for (int i = 0; i < d; i++) oh[i] += w * v[i];
         }
     }
 }
@@ -766,17 +939,17 @@ static inline __attribute__((always_inline)) void swiglu_body(const float *gate_
     }
 }
 
-AVX512 static void attend_avx512(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
-                                 int kv_head, float *scratch, float *out) {
-    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+AVX512 static void attend_avx512(const kiln_model *md, const kiln_layer *ly, const float *q, int nh, int slot,
+                                   int pos, int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, nh, slot, pos, kv_head, scratch, out, dot_avx512);
 }
-AVX2 static void attend_avx2(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
-                             int kv_head, float *scratch, float *out) {
-    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+AVX2 static void attend_avx2(const kiln_model *md, const kiln_layer *ly, const float *q, int nh, int slot,
+                            int pos, int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, nh, slot, pos, kv_head, scratch, out, dot_avx2);
 }
-static void attend_scalar(const kiln_model *md, const kiln_layer *ly, const float *q, int slot, int pos,
-                          int kv_head, float *scratch, float *out) {
-    attend_body(md, ly, q, slot, pos, kv_head, scratch, out);
+static void attend_scalar(const kiln_model *md, const kiln_layer *ly, const float *q, int nh, int slot,
+                         int pos, int kv_head, float *scratch, float *out) {
+    attend_body(md, ly, q, nh, slot, pos, kv_head, scratch, out, dot_scalar);
 }
 AVX512 static void swiglu_avx512(const float *gate_up, int inter, int u0, int u1, int round, float *act) {
     swiglu_body(gate_up, inter, u0, u1, round, act);
@@ -835,17 +1008,23 @@ static void step_job(void *arg, int tid, int nthreads) {
             }
         }
         barrier(nthreads);
-        units = M * md->num_heads; /* one query head each */
+        /* a unit: some query heads of one kv head of one token, which share its K / V reads; a kv
+         * group is split when there are too few groups to keep every thread busy */
+        const int per = md->num_heads / md->num_kv_heads, groups = M * md->num_kv_heads;
+        int splits = (2 * nthreads + groups - 1) / groups;
+        splits = splits < 1 ? 1 : splits > per ? per : splits;
+        units = groups * splits;
         for (int u = units * tid / nthreads; u < units * (tid + 1) / nthreads; u++) {
-            const int m = u / md->num_heads, h = u % md->num_heads, kvh = h / (md->num_heads / md->num_kv_heads);
-            float *out = st->attn + (size_t)m * nq + (size_t)h * D;
-            const float *q = st->qkv + (size_t)m * qkv_n + (size_t)h * D;
+            const int g = u / splits, part = u % splits, m = g / md->num_kv_heads, kvh = g % md->num_kv_heads;
+            const int h0 = kvh * per + per * part / splits, h1 = kvh * per + per * (part + 1) / splits;
+            float *out = st->attn + (size_t)m * nq + (size_t)h0 * D;
+            const float *q = st->qkv + (size_t)m * qkv_n + (size_t)h0 * D;
             const int slot = (int)st->slots[m], pos = (int)st->positions[m];
-            if (isa == ISA_AVX512) attend_avx512(md, ly, q, slot, pos, kvh, scratch, out);
-            else if (isa == ISA_AVX2) attend_avx2(md, ly, q, slot, pos, kvh, scratch, out);
-            else attend_scalar(md, ly, q, slot, pos, kvh, scratch, out);
+            if (isa == ISA_AVX512) attend_avx512(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
+            else if (isa == ISA_AVX2) attend_avx2(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
+            else attend_scalar(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
             if (md->round_act)
-                for (int i = 0; i < D; i++) out[i] = round_bf16(out[i]);
+                for (int i = 0; i < (h1 - h0) * D; i++) out[i] = round_bf16(out[i]);
         }
         barrier(nthreads);
         my_rows(&ly->o, tid, nthreads, &r0, &r1);
@@ -885,11 +1064,13 @@ static void step_job(void *arg, int tid, int nthreads) {
 static size_t linear_scratch_floats(const kiln_linear *L, int m_rows) {
     if (L->kind == W_INT4) return (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64;
     if (L->kind == W_W4A8) return w4a8_scratch_floats(m_rows, L->k, L->op_group);
+    if (L->kind == W_W8A8) return (size_t)(m_rows + 15) / 16 * 16 + ((size_t)m_rows * L->k + 3) / 4;
     return 16;
 }
 
 static size_t scratch_floats_for(const kiln_model *md, int m_rows) {
-    size_t most = (size_t)md->max_len + md->head_dim; /* attention: scores and one row */
+    /* attention: the scores of a kv group's query heads and one row */
+    size_t most = (size_t)md->max_len * (md->num_heads / md->num_kv_heads) + md->head_dim;
     const kiln_linear *all[4];
     for (int l = 0; l < md->num_layers; l++) {
         const kiln_layer *ly = &md->layers[l];

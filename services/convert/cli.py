@@ -60,8 +60,8 @@ ActsOpt = Annotated[
     bool,
     typer.Option(
         "--int8-activations",
-        help="cpu target: 4-bit layers multiply int8-quantized activations with integer dot products "
-        "(cpu_w4a8; faster decode, slightly different numerics)",
+        help="cpu target: 4-bit (and channelwise 8-bit) layers multiply int8-quantized activations with "
+        "integer dot products (cpu_w4a8 / cpu_w8a8; faster decode, slightly different numerics)",
     ),
 ]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kernels.base import Target
 from kernels.cpu_w4a8 import CpuW4A8Kernel
+from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.errors import UnsupportedError
 from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
 from services.convert.checkpoint import Checkpoint
@@ -201,12 +202,18 @@ EMBEDDING_TENSOR = f"{EMBEDDING_MODULE}.weight"
 
 
 def _int8_activations_note(units: list[PlanUnit]) -> str:
-    taken = sum(1 for u in units if u.kernel.name == CpuW4A8Kernel.name)
-    if not taken:
-        return "--int8-activations: no layer is a 4-bit integer one without act-order; nothing changes"
+    w4a8 = sum(1 for u in units if u.kernel.name == CpuW4A8Kernel.name)
+    w8a8 = sum(1 for u in units if u.kernel.name == CpuW8A8Kernel.name)
+    if not w4a8 + w8a8:
+        return (
+            "--int8-activations: no layer is a 4-bit integer one without act-order or a symmetric "
+            "channelwise 8-bit one; nothing changes"
+        )
+    parts = [f"{w4a8} 4-bit layer(s) per token and weight group (cpu_w4a8)"] if w4a8 else []
+    parts += [f"{w8a8} 8-bit layer(s) per token (cpu_w8a8)"] if w8a8 else []
     return (
-        f"--int8-activations: {taken} 4-bit layer(s) multiply int8 activations (per token and weight group) "
-        "with integer dot products (cpu_w4a8): faster decode, slightly different numerics"
+        f"--int8-activations: int8 activations times integer weights with integer dot products in "
+        f"{' and '.join(parts)}: faster decode, slightly different numerics"
     )
 
 

@@ -74,8 +74,9 @@ class ConversionOptions(BaseModel):
     int8_activations: bool = Field(
         default=False,
         description="The `cpu` target's 4-bit layers multiply int8 activations (quantized per token and "
-        "weight group) with integer dot products (kernel cpu_w4a8, `kiln convert --int8-activations`): "
-        "a faster decode for a small perplexity cost",
+        "weight group) with integer dot products (kernel cpu_w4a8, `kiln convert --int8-activations`), "
+        "symmetric channelwise 8-bit ones per token (cpu_w8a8): a faster decode for a small perplexity "
+        "cost",
     )
 
     @model_serializer(mode="wrap")

@@ -48,6 +48,8 @@ VOLATILE = ("created_at", "kiln_version")
 # its id, config.json and rank file changed; every other rank file and id hashed as before.
 # Re-recorded for the FP4 kernels (marlin_fp4, cpu_fp4): manifests list them where they were tried and
 # rejected; every id and every other file hashed as before.
+# Re-recorded for cpu_w4a8 (ahead of cpu_int4 on the cpu target): the cpu manifests list it where it was
+# tried and rejected; every id and every other file hashed as before.
 GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
     "awq-sm86": (
         "ka-ac0fa56edf1b0b0109461cbfb47e70b8",
@@ -65,7 +67,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "16bc8df0f1a969191146fcd5e62a7ea3103275d42114fa7e9f06580adb6a7021",
+        "11d516e7df39a8aa8edefa4457744b77c662f8d0f572574527bef5acc1153240",
     ),
     "bf16-online-fp8-block-sm90": (
         "ka-688bb92963cc77683ec180159a0a5536",
@@ -84,7 +86,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "490e61b30ba6c2a0e6a45f87383d1ec01f95382daea292eea4853ffbfd4ff483",
+        "4017e2fdbe2c2d2d9e0f9abbfb0e6c89cc5b8dbc62128210b6c5c663f458f991",
     ),
     "ct-fp8-channel-sm90": (
         "ka-977641b5c6484e4f118257781f6b0f43",
@@ -102,7 +104,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "1f84b41adcec155ae35734536612c7f30d8f9e3c074d93e9406ac8b0fd898ccb",
         },
-        "eeea972f421ebf8aa29a1074b1149878137386f0a35dffddf1f3c231230b6994",
+        "505719d2998e87f3ddecf94ce5a1c1b0016399cb6fab783bcbd14182310f7a4c",
     ),
     "ct-w8a16-sm90": (
         "ka-45af177d9859d6543090386a710ee3d2",
@@ -129,7 +131,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "ef00ab68b30f2d2786c772d4f3be0871584141c4e890a6016ddc8a3dd69c7bd2",
+        "1eb0af06fb04f374c122bcdd2736c07af34936af2fcc07493a42752dc9dbcb30",
     ),
     "fp8-tensor-sm80": (
         "ka-5b4ab84727511955b97b6ebdb7e43ace",

@@ -77,5 +77,5 @@ def test_the_plan_says_which_layers_take_int8_activations(smollm2_gptq: Path) ->
     p = plan(str(smollm2_gptq), "cpu", int8_activations=True)
     assert {r.kernel for r in p.rows} == {"cpu_w4a8"}
     assert all("int8 activations" in r.scheme for r in p.rows)
-    assert any(n.startswith(f"--int8-activations: {len(p.rows)} 4-bit layer(s)") for n in p.notes)
+    assert any(f"{len(p.rows)} 4-bit layer(s) per token and weight group" in n for n in p.notes)
     assert p.options == {"int8_activations": True}

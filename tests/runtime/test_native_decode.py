@@ -1,8 +1,9 @@
 """The native decode step (runtime/native_decode.py) against the eager forward it replaces.
 
 Layers: every layout the step reads (cpu_int4 in each torch pack format, with integer zero points or
-float minimums, cpu_w4a8, cpu_int8, dense fp32 / bf16) through the library against the kernel's dequantized
-fp32 weight, on every instruction-set body this CPU runs. Models: logits of native and eager decode
+float minimums, cpu_int8, dense fp32 / bf16) through the library against the kernel's dequantized
+fp32 weight, cpu_w4a8 against its twin and cpu_w8a8 bit for bit, on every instruction-set body this
+CPU runs. Models: logits of native and eager decode
 steps, batched at different positions and slots, with the bf16 and FP8 KV caches. Serving: an
 engine decoding natively and one decoding eagerly, given the same schedule of requests joining and
 leaving a running batch, an abort and contexts growing long, answer the same tokens with the same
@@ -22,11 +23,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from devtools.builders.gguf_files import VOCAB_SIZE, write_llama_gguf
+from devtools.builders.synthetic import write_checkpoint
 from devtools.builders.tiny_artifacts import tiny_hf_model, write_artifact
 from kernels.base import DenseWeight, LinearSpec, Target
+from kernels.codecs.int8 import quantize_per_token_int8
 from kernels.cpu_int4 import PACK_FORMATS, CpuInt4Kernel, pack_int4, stored_pack_format, unpack_int4
 from kernels.cpu_int8 import CpuInt8Kernel
 from kernels.cpu_w4a8 import CpuW4A8Kernel
+from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.dense import DenseKernel
 from runtime import native_decode
 from runtime.engine import Engine
@@ -54,6 +58,10 @@ BF16_MODEL_LOGITS_MEAN_ATOL = 0.04
 # FP8 KV cache bytes of the two steps that differ (a value an ulp apart rounding to the neighbouring
 # e4m3 value, then carried into later layers): a fraction of the whole cache, prefill included.
 FP8_CACHE_MISMATCH = 0.01
+# int8 activations (cpu_w8a8 per token, fp32 model): the steps' summation orders differ by ulps, which
+# now and then move an activation across a rounding boundary: one step, 1/127.5 of its token's largest.
+INT8_ACT_MODEL_LOGITS_ATOL = 0.1
+INT8_ACT_MODEL_LOGITS_MEAN_ATOL = 0.02
 # cpu_w4a8 (int8 activations) with the FP8 KV cache: the small differences above move an activation
 # across an int8 rounding boundary now and then, a step of 1/127 of its group's largest value.
 W4A8_FP8_MODEL_LOGITS_ATOL = 0.4
@@ -150,6 +158,26 @@ def test_w4a8_rows_match_the_kernels_twin(isa: str, zero: str, group: int) -> No
         x = torch.randn(m, spec.k).to(torch.bfloat16).float()
         got, want = _native_apply(layer, x), kernel.reference(x, tensors, spec)
         assert rel_err(got, want) < NATIVE_GEMM_REL_ERR, (m, rel_err(got, want))
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (100, 40), (52, 200)])
+def test_w8a8_rows_are_the_kernels_bit_for_bit(isa: str, n: int, k: int) -> None:
+    """cpu_w8a8 (--int8-activations' int8 head): the same per-token quantization and exact integer
+    sums as the kernel's torch path, then sum * scale_t * scale_n in its order: equal floats. Row
+    tiles and K tails (K % 64, K % 16) included."""
+    w = int_weight(n, k, bits=8, group_size=-1, seed=8)
+    spec = int_spec(w, int8_activations=True)
+    kernel = CpuW8A8Kernel()
+    tensors = kernel.prepare(w, spec, Target.CPU)
+    layer = _bound(kernel, tensors, spec)
+    assert describe_linear(layer, round_io=False).struct.kind == native_decode.W_W8A8
+    gen = torch.Generator().manual_seed(9)
+    for m in (1, 3, 4, 7):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).float()
+        xq, xs = quantize_per_token_int8(x)
+        sums = (xq.long() @ tensors["qweight"].long().T).float()  # exact: |sum| < 2^24
+        want = sums * xs[:, None] * tensors["scales"].float() + tensors["bias"]
+        assert torch.equal(_native_apply(layer, x), want), m
 
 
 @pytest.mark.parametrize("n,k", [(576, 1536), (100, 40)])
@@ -297,12 +325,24 @@ def test_native_logits_match_eager_w4a8(tmp_path: Path, head: str | None, kv: st
     lm = _gguf_artifact(tmp_path, head=head, int8_activations=True)
     kernels = {m.kernel.name for m in lm.model.linear_layers().values() if m.kernel is not None}
     assert "cpu_w4a8" in kernels and "cpu_int4" not in kernels, kernels
+    assert ("cpu_int8" in kernels) == (head == "int8"), kernels  # the head keeps 16-bit activations
     if kv == "fp8":
         _compare_decodes(
             lm, kv, W4A8_FP8_MODEL_LOGITS_ATOL, W4A8_FP8_MODEL_LOGITS_MEAN_ATOL, W4A8_FP8_CACHE_MISMATCH
         )
     else:
         _compare_decodes(lm, kv, BF16_MODEL_LOGITS_ATOL, BF16_MODEL_LOGITS_MEAN_ATOL)
+
+
+def test_native_logits_match_eager_w8a8(tmp_path: Path) -> None:
+    """A compressed-tensors W8A8 checkpoint (int8 activations declared): cpu_w8a8 layers, which the
+    step runs bit for bit as the kernel's torch path."""
+    src = write_checkpoint(tmp_path / "src", "ct-int8")
+    [result] = convert(ConversionRequest(str(src), ["cpu"], out=str(tmp_path / "out")))
+    lm = load_model(result.uri, with_tokenizer=False)
+    kernels = {m.kernel.name for m in lm.model.linear_layers().values() if m.kernel is not None}
+    assert "cpu_w8a8" in kernels, kernels
+    _compare_decodes(lm, "auto", INT8_ACT_MODEL_LOGITS_ATOL, INT8_ACT_MODEL_LOGITS_MEAN_ATOL)
 
 
 # ---- serving -------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     keep = online is None or (layout.full_precision and not head) or quant.scheme != "dense"
     target_quant = quant if keep else online
     assert target_quant is not None
-    if ctx.int8_activations and takes_int8_activations(target_quant):
+    if ctx.int8_activations and head is None and takes_int8_activations(target_quant):
         target_quant = dataclasses.replace(target_quant, int8_activations=True)
     sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
     has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
@@ -223,9 +223,14 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
 
 
 def takes_int8_activations(quant: LayerQuant) -> bool:
-    """Whether --int8-activations moves a layer of `quant` onto int8 activations (cpu_w4a8): 4-bit
-    integer layers; act-order ones stay on cpu_int4 (no permuted cpu_w4a8 layout)."""
-    return quant.scheme == "int" and quant.bits == 4 and not quant.act_order
+    """Whether --int8-activations moves a checkpoint layer of `quant` onto int8 activations: 4-bit
+    integer layers (cpu_w4a8; act-order ones stay on cpu_int4: no permuted cpu_w4a8 layout) and
+    symmetric channelwise 8-bit ones (cpu_w8a8, per-token activations). --quantize-head's head is not
+    one: per-token int8 activations into SmolLM2's head cost +0.97 % perplexity (for a 19 % faster
+    batch-1 step), against +0.12 % for the int8 head on 16-bit activations."""
+    if quant.scheme != "int" or quant.act_order:
+        return False
+    return quant.bits == 4 or (quant.bits == 8 and quant.symmetric and quant.group_size in (-1, 0))
 
 
 def _head_source_quant(ctx: PlanContext, layout: LinearLayout) -> LayerQuant:
