@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateError
-
 from kernels.errors import KilnError
 
 
@@ -20,6 +18,8 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of the formatted conversation, ready for the engine."""
+    from jinja2 import TemplateError  # here: a plain prompt's first token does not wait for jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template; use /v1/completions (or --no-chat) instead"

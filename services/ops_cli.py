@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from services.redact import redact_url
-
 if TYPE_CHECKING:
     from services.settings import ServiceSettings
 
@@ -70,6 +68,8 @@ def ensure_bootstrap_token() -> None:
 
 
 def startup_banner(settings: ServiceSettings, host: str, port: int) -> str:
+    from services.redact import redact_url
+
     mode = f"celery on {redact_url(settings.broker_url)}" if settings.broker_url else "embedded worker"
     return f"kiln api on http://{host}:{port} ({mode}; store {redact_url(settings.resolved_store_url)})"
 

@@ -11,24 +11,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
 
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
-from services.convert.spec import FP8_SCHEMES, HEAD_QUANTS, METHODS, ConversionSpec, conversion_spec
+from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from services.convert.pipeline import ConversionResult
+    from services.convert.spec import ConversionSpec
 
 # Plan tables are wide; when piped (no terminal width) don't squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -88,6 +81,8 @@ def _plan_table(p: object) -> Table:
         f"{p.source} → {p.target.value}, tp={p.tp}, method={p.method}"
         f"{' (' + p.fp8_scheme + ')' if p.method == 'fp8' else ''}, format={p.format}, act={p.act_dtype}"
     )
+    from rich.table import Table
+
     table = Table(title=title, show_lines=False, caption="rejections by kernels of other schemes: see --json")
     table.add_column("layer", no_wrap=True)
     table.add_column("scheme", no_wrap=True)
@@ -124,6 +119,7 @@ def _spec(
 ) -> ConversionSpec:
     """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
     from services.convert.library import parse_targets
+    from services.convert.spec import conversion_spec
 
     ranks, expert_parallel = _ranks(tp, ep)
     options = {
@@ -187,6 +183,16 @@ def convert_cmd(
     int8_activations: ActsOpt = False,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     from services.convert.library import ConversionRequest, convert
     from services.convert.library import Progress as Step
     from services.settings import get_settings
@@ -244,6 +250,8 @@ def _result_json(r: ConversionResult) -> dict[str, Any]:
 
 
 def _results_table(results: list[ConversionResult]) -> Table:
+    from rich.table import Table
+
     table = Table(title="Kiln artifacts")
     for col in ("target", "tp", "artifact id", "kernels", "verified", "size", "where"):
         table.add_column(col, no_wrap=col in ("artifact id", "size"), overflow="fold")

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from kernels.base import Target
 from services.convert.checkpoint import Checkpoint, gguf_in, open_checkpoint
+from services.convert.choices import Fp8Scheme, HeadQuant, Method
 from services.convert.detect import detect_format
 from services.convert.errors import Cancelled, ConversionError, NotACheckpointError, VerificationError
 from services.convert.formats.base import CheckpointFormat
 from services.convert.gguf.checkpoint import open_gguf_checkpoint
 from services.convert.pipeline import CancelFn, ConversionResult, Progress, ProgressFn, convert_plan
 from services.convert.plan import Plan, PlanRow, build_plan
-from services.convert.spec import ConversionSpec, Fp8Scheme, HeadQuant, Method, conversion_spec
+from services.convert.spec import ConversionSpec, conversion_spec
 from services.convert.spec import disabled_kernels as effective_disabled_kernels
 from services.convert.stacked_experts import per_expert_view
 from services.settings import ServiceSettings, get_settings

@@ -19,11 +19,11 @@ from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.errors import UnsupportedError
 from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
 from services.convert.checkpoint import Checkpoint
+from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat
 from services.convert.limits import check_pattern_work
 from services.convert.safetensors_io import DTYPES
-from services.convert.spec import FP8_SCHEMES, HEAD_QUANTS, METHODS
 from services.convert.units import UNIT_KINDS, PlanUnit
 from services.convert.units.base import HEADER_ENTRY_BYTES, PlanContext, PlanRow
 

@@ -7,7 +7,7 @@ here once. No torch: the API process imports it."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -23,13 +23,8 @@ from pydantic import (
 
 from kernels.errors import UnsupportedError
 from kernels.targets import Target
+from services.convert.choices import Fp8Scheme, HeadQuant, Method
 
-Method = Literal["auto", "fp8"]  # keep the checkpoint's quantization | quantize to FP8 online
-Fp8Scheme = Literal["tensor", "channel", "block"]  # online FP8 scales
-HeadQuant = Literal["int8"]  # --quantize-head: lm_head quantized online (cpu target)
-METHODS: tuple[str, ...] = get_args(Method)
-FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
-HEAD_QUANTS: tuple[str, ...] = get_args(HeadQuant)
 MAX_TARGETS = 6
 MAX_TP = 64
 MAX_DISABLED_KERNELS = 32

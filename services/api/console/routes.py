@@ -25,7 +25,7 @@ from services.api.routes.conversions import JobId, viewer
 from services.api.routes.health import check_components
 from services.api.routes.plans import create_plan
 from services.api.token_cache import Caller
-from services.convert.spec import FP8_SCHEMES, METHODS
+from services.convert.choices import FP8_SCHEMES, METHODS
 from services.db import repo
 from services.db.models import Artifact, Job
 from services.db.session import run_unit

@@ -1,0 +1,14 @@
+"""The values a conversion request's options allow, without pydantic: `kiln`'s command line reads
+them for its help text on every start (runtime commands included), and services/convert/spec.py
+builds the request's model from them."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Method = Literal["auto", "fp8"]  # keep the checkpoint's quantization | quantize to FP8 online
+Fp8Scheme = Literal["tensor", "channel", "block"]  # online FP8 scales
+HeadQuant = Literal["int8"]  # --quantize-head: lm_head quantized online (cpu target)
+METHODS: tuple[str, ...] = get_args(Method)
+FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
+HEAD_QUANTS: tuple[str, ...] = get_args(HeadQuant)
