@@ -198,7 +198,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("int4-g32-sym", "int", bits=4, group_size=32),
     Variant("int4-g64-asym-actorder", "int", bits=4, group_size=64, symmetric=False, act_order=True),
     Variant("int8-channel-sym-a8", "int", bits=8, group_size=-1, int8_activations=True),
-    Variant("int4-g64-asym-a8", "int", bits=4, group_size=64, symmetric=False, int8_activations=True),
     Variant(  # --int8-activations on GGUF Q4_1 / Q4_K
         "int4-g32-floatmin-a8",
         "int",
