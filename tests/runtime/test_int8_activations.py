@@ -12,14 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from devtools.builders import smollm2
-from devtools.eval import runtime_logits_fn, text_perplexity
 from kernels.errors import UnsupportedError
 from runtime.artifact.manifest import Manifest
-from runtime.loader import load_model
 from services.convert.library import plan
+from tests.helpers.perplexity import fixed_text_perplexities
 
 W4A8_PPL_REL_TOL = 0.01  # int8 activations per weight group of 64
 
@@ -40,15 +37,9 @@ def test_every_4bit_layer_is_a_verified_cpu_w4a8_layer(
 def test_int8_activations_cost_under_one_percent_of_perplexity(
     smollm2_artifact_cpu_w4a8_gptq: Path, smollm2_artifact_cpu_int4_gptq: Path
 ) -> None:
-    torch.set_num_threads(2)
-    text = smollm2.PERPLEXITY_TEXT.read_text()
-    ppl = {}
-    for name, path in (("bf16", smollm2_artifact_cpu_int4_gptq), ("int8", smollm2_artifact_cpu_w4a8_gptq)):
-        loaded = load_model(path)
-        assert loaded.tokenizer is not None
-        result = text_perplexity(runtime_logits_fn(loaded), loaded.tokenizer, text)
-        assert result.windows == 4 and result.tokens_scored == 4 * 511
-        ppl[name] = result.perplexity
+    ppl = fixed_text_perplexities(
+        {"bf16": smollm2_artifact_cpu_int4_gptq, "int8": smollm2_artifact_cpu_w4a8_gptq}
+    )
     change = ppl["int8"] / ppl["bf16"] - 1
     print(f"\nperplexity bf16 activations {ppl['bf16']:.4f}, int8 {ppl['int8']:.4f} ({change:+.3%})")
     assert abs(change) <= W4A8_PPL_REL_TOL, ppl

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.builders import smollm2
-from devtools.eval import runtime_logits_fn, text_perplexity
 from runtime.artifact.manifest import Manifest
 from runtime.loader import load_model
 from services.convert.verify import INT8_ONLINE_REL_BOUND
+from tests.helpers.perplexity import fixed_text_perplexities
 
 HEAD_PPL_REL_TOL = 0.005
 
@@ -39,18 +38,9 @@ def test_the_int8_head_is_a_verified_cpu_int8_layer_beside_the_16_bit_embedding(
 def test_the_int8_head_costs_under_half_a_percent_of_perplexity(
     smollm2_artifact_cpu_int4_gptq_int8_head: Path, smollm2_artifact_cpu_int4_gptq: Path
 ) -> None:
-    torch.set_num_threads(2)
-    text = smollm2.PERPLEXITY_TEXT.read_text()
-    ppl = {}
-    for name, path in (
-        ("16-bit", smollm2_artifact_cpu_int4_gptq),
-        ("int8", smollm2_artifact_cpu_int4_gptq_int8_head),
-    ):
-        loaded = load_model(path)
-        assert loaded.tokenizer is not None
-        result = text_perplexity(runtime_logits_fn(loaded), loaded.tokenizer, text)
-        assert result.windows == 4 and result.tokens_scored == 4 * 511
-        ppl[name] = result.perplexity
+    ppl = fixed_text_perplexities(
+        {"16-bit": smollm2_artifact_cpu_int4_gptq, "int8": smollm2_artifact_cpu_int4_gptq_int8_head}
+    )
     change = ppl["int8"] / ppl["16-bit"] - 1
     print(f"\nperplexity 16-bit head {ppl['16-bit']:.4f}, int8 head {ppl['int8']:.4f} ({change:+.3%})")
     assert abs(change) <= HEAD_PPL_REL_TOL, ppl
