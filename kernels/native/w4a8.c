@@ -47,6 +47,7 @@ static void *run_share(void *p) {
 /* y (M, N) fp32 = x (M, K) fp32 through the layer; 0, or -1 when out of memory (nothing written). */
 int kiln_w4a8_apply(const w4a8_weight *W, int m_rows, const float *x, float *y, int nthreads) {
     pthread_once(&detect_once, detect);
+    if (m_rows <= 0) return 0; /* nothing to write (and no zero-size allocation to ask for) */
     float *scratch = aligned_alloc(64, w4a8_scratch_floats(m_rows, W->k, W->group) * sizeof(float));
     if (!scratch) return -1;
     int8_t *q;

@@ -202,6 +202,7 @@ def test_bias_and_dtypes() -> None:
         y = KERNEL.apply(x, tensors, spec)
         assert y.shape == (2, 3, 32) and y.dtype == dtype
         assert rel_err(y, KERNEL.reference(x, tensors, spec)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert KERNEL.apply(torch.empty(0, 64), tensors, spec).shape == (0, 32)  # no tokens: no rows
 
 
 def test_without_the_library_the_twin_runs(monkeypatch: pytest.MonkeyPatch) -> None:
