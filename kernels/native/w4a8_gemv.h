@@ -64,6 +64,14 @@ typedef struct {
 
 /* ---------------------------------------------------------------- activations */
 
+/* the sum of 8 int32 lanes */
+W4A8_ATTR_AVX2 static inline int32_t w4a8_hsum_epi32_256(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
 static void w4a8_quantize_row_scalar(const float *x, int k, int group, int8_t *q, float *sx, float *csum) {
     for (int g0 = 0, g = 0; g0 < k; g0 += group, g++) {
         float amax = 0.0f;
@@ -113,11 +121,8 @@ W4A8_ATTR_AVX2 static void w4a8_quantize_row_avx2(const float *x, int k, int gro
             const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
             _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w16, w16));
         }
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
         sx[g] = amax / 127.0f;
-        csum[g] = sx[g] * (float)_mm_cvtsi128_si32(s);
+        csum[g] = sx[g] * (float)w4a8_hsum_epi32_256(sum);
     }
 }
 

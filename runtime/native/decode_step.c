@@ -678,9 +678,7 @@ AVX2 static void w8a8_rows_avx2(const int8_t *w, const float *ws, int k, const u
             }
             for (int j = 0; j < 2 && m + j < m_rows; j++)
                 for (int i = 0; i < 4 && r + i < r1; i++) {
-                    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a[j][i]), _mm256_extracti128_si256(a[j][i], 1));
-                    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-                    int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+                    int32_t sum = w4a8_hsum_epi32_256(a[j][i]);
                     for (int t = kv; t < k; t++) sum += ((int32_t)xm[j][t] - 128) * wr[i][t];
                     y[(size_t)(m + j) * n + r + i] = w8a8_out(sum, xs[m + j], ws[r + i]);
                 }
@@ -852,9 +850,7 @@ AVX2 static inline float dot_avx2(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    float s = hsum256(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }

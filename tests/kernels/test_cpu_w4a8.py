@@ -25,6 +25,7 @@ from kernels.cpu_w4a8 import (
     unpack_w4a8,
 )
 from kernels.registry import choose_kernel
+from tests.helpers.native import each_body
 from tests.helpers.numerics import rel_err
 from tests.kernels.test_cpu_kernels import int_spec, int_weight
 
@@ -47,13 +48,7 @@ def _lib():  # type: ignore[no-untyped-def]
 @pytest.fixture(params=LEVELS)
 def level(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each body this CPU can run (skipped above what it has)."""
-    lib = _lib()
-    want = LEVELS.index(request.param)
-    if lib.kiln_w4a8_level(want) != want:
-        lib.kiln_w4a8_level(len(LEVELS))
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    lib.kiln_w4a8_level(len(LEVELS))
+    yield from each_body(_lib().kiln_w4a8_level, LEVELS, request.param)
 
 
 def _a8(w: IntWeight, **kw: object) -> LinearSpec:

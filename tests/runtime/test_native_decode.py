@@ -40,6 +40,7 @@ from runtime.loader import LoadedModel, load_model
 from runtime.native_decode import ISA_NAMES, LIBRARY, NativeDecoder, describe_linear, native_decoder
 from runtime.sampling import SamplingParams
 from services.convert.library import ConversionRequest, convert
+from tests.helpers.native import each_body
 from tests.helpers.numerics import rel_err
 from tests.kernels.test_cpu_kernels import int_spec, int_weight
 
@@ -82,13 +83,7 @@ def _lib() -> ctypes.CDLL:
 @pytest.fixture(params=ISA_NAMES)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each instruction-set body this CPU can run (skipped above what it has)."""
-    lib = _lib()
-    level = ISA_NAMES.index(request.param)
-    if lib.kiln_set_isa(level) != level:
-        lib.kiln_set_isa(len(ISA_NAMES))
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    lib.kiln_set_isa(len(ISA_NAMES))
+    yield from each_body(_lib().kiln_set_isa, ISA_NAMES, request.param)
 
 
 def _bound(kernel: object, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> KernelLinear:
