@@ -112,6 +112,21 @@ def runtime_logits_fn(loaded: Any) -> LogitsFn:
     return logits_fn
 
 
+@torch.inference_mode()
+def decode_path_logits(loaded: Any, prompt_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """The runtime's logits along a fixed continuation, as a generation computes them: the prompt's
+    prefill predicts tokens[0], then one decode step per token (the engine's step: native where it
+    covers the model) predicts the next. (len(tokens), V) fp32: row i is the prediction of tokens[i]."""
+    from runtime.engine import Engine
+
+    engine = Engine(loaded, max_num_seqs=1, max_model_len=len(prompt_ids) + len(tokens))
+    rows = [engine.model.prefill(torch.tensor(list(prompt_ids)), 0, engine.cache).float()]
+    for i, token in enumerate(tokens[:-1]):
+        step = engine.decode(torch.tensor([token]), [0], [len(prompt_ids) + i], engine.cache)
+        rows.append(step[0].float())
+    return torch.stack(rows)
+
+
 @dataclass(frozen=True)
 class Generation:
     token_ids: list[int]

@@ -38,6 +38,7 @@ E8M0_NAN = 255  # the one E8M0 byte that is not a power of two
 # conversion's RSS grow by hundreds of MB (bench/convert.py --gguf-only)
 ROW_BLOCK_ELEMENTS = 1 << 18
 ROW_BLOCK_MULTIPLE = 64
+ALL_ROWS = 1 << 30  # `bf16_op_rows` of an op that is bf16 at every batch size
 RowBlocks = Iterator[tuple[slice, torch.Tensor]]  # (output rows, that block of an (N, K) weight)
 
 
@@ -413,6 +414,13 @@ class LinearKernel(ABC):
     # the converter then verifies the stored tensor directly.
     stores_plain_weight: ClassVar[bool] = False
     description: ClassVar[str] = ""
+
+    def bf16_op_rows(self) -> int:
+        """On CPU, a call with fewer rows than this runs a torch op that takes and returns bf16: the
+        activations it multiplies and the product it hands back (before the bias) are rounded to
+        bf16 whatever the model's activation dtype. 0: none (the native decode step rounds at the
+        same points, runtime/native_decode.py)."""
+        return 0
 
     def act_dtypes(self, spec: LinearSpec, target: Target) -> frozenset[torch.dtype]:
         """Activation dtypes a layer of `spec` stored for `target` takes (its output is in the

@@ -42,6 +42,7 @@ from functools import cache
 import torch
 
 from kernels.base import (
+    ALL_ROWS,
     CpuKernel,
     IntWeight,
     LinearSpec,
@@ -279,6 +280,9 @@ class CpuInt4Kernel(CpuKernel):
                 yf = yf + bias
             y = yf
         return y.to(x.dtype).reshape(*lead, n)
+
+    def bf16_op_rows(self) -> int:
+        return ALL_ROWS  # the op is bf16 in and out at every batch
 
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec, *, exact_zero_offsets: bool = False

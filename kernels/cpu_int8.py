@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.base import (
+    ALL_ROWS,
     CpuKernel,
     IntWeight,
     LinearSpec,
@@ -94,6 +95,12 @@ class CpuInt8Kernel(CpuKernel):
         if isinstance(weight, IntWeight) and weight.bias is not None:
             tensors["bias"] = weight.bias.float()
         return tensors
+
+    def bf16_op_rows(self) -> int:
+        """The op below the widened GEMM's threshold; the widened GEMM too where it runs in bf16
+        (which rounds its sum before the channel scale: the step rounds after it, one rounding
+        apart)."""
+        return ALL_ROWS if has_native_bf16() else DEQUANT_MIN_M_FP32
 
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec

@@ -65,6 +65,9 @@ class CpuW8A8Kernel(CpuInt8Kernel):
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         return self.bind_apply(tensors, spec)(x)
 
+    def bf16_op_rows(self) -> int:
+        return 0  # it quantizes the activations as they come
+
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec
     ) -> Callable[[torch.Tensor], torch.Tensor]:

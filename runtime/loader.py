@@ -38,6 +38,7 @@ from runtime.layers import RMSNorm
 from runtime.load_errors import ARTIFACT_FIX, LoadError
 from runtime.model import LlamaForCausalLM, residual_dtype
 from runtime.model_layout import ModelConfig
+from runtime.settings import CpuActDtype, get_settings
 from runtime.tokenizer import load_tokenizer
 from runtime.unit_checks import (
     CheckedExpertGroup,
@@ -129,21 +130,23 @@ def _capability() -> int:
     return major * 10 + minor
 
 
-def compute_dtype(manifest: Manifest, device: str) -> torch.dtype:
+def compute_dtype(manifest: Manifest, device: str, cpu_act_dtype: CpuActDtype = "auto") -> torch.dtype:
     """Activation dtype (linear kernels, attention, KV cache); the residual stream stays fp32 on
     CPU (runtime/model.py). GPU: the artifact's act_dtype. CPU: bf16 when every layer's kernel
-    prefers bf16 activations (`LinearKernel.cpu_act_dtype`), the CPU has native bf16 and the
-    artifact was not built for fp32 activations; else fp32 (dense CPU layers store fp32 weights:
-    fp32 GEMM, bf16 / fp16 -> fp32 exact)."""
+    prefers bf16 activations (`LinearKernel.cpu_act_dtype`), the artifact was not built for fp32
+    activations and the CPU has native bf16 (`cpu_act_dtype` "auto") or bf16 is asked for
+    ("bfloat16": emulated where the CPU has no native bf16); else fp32 (dense CPU layers store
+    fp32 weights: fp32 GEMM, bf16 / fp16 -> fp32 exact). "float32" forces fp32."""
     if device != "cpu":
         return getattr(torch, manifest.act_dtype)
     kernels: list[LinearKernel | MoEKernel] = [get_kernel(e.kernel) for e in manifest.layers.values()]
     kernels += [get_moe_kernel(e.kernel) for e in manifest.expert_groups.values()]
     if (
-        manifest.act_dtype != "float32"
+        cpu_act_dtype != "float32"
+        and manifest.act_dtype != "float32"
         and kernels
         and all(k.cpu_act_dtype == torch.bfloat16 for k in kernels)
-        and has_native_bf16()
+        and (cpu_act_dtype == "bfloat16" or has_native_bf16())
     ):
         return torch.bfloat16
     return torch.float32
@@ -444,9 +447,11 @@ def load_model(
     world_size: int = 1,
     kv_cache_dtype: KvCacheDtype = "auto",
     with_tokenizer: bool = True,
+    cpu_act_dtype: CpuActDtype | None = None,
 ) -> LoadedModel:
     """Build the runtime's model on an artifact (a path is opened with `open_artifact`; `device`,
-    `rank` and `world_size` apply then) and bind every tensor to it."""
+    `rank` and `world_size` apply then) and bind every tensor to it. `cpu_act_dtype`: see
+    `compute_dtype` (None: the KILN_CPU_ACT_DTYPE setting)."""
     import time
 
     started = time.perf_counter()
@@ -457,7 +462,9 @@ def load_model(
     )
     manifest, cfg, tensors, device = opened.manifest, opened.config, opened.tensors, opened.device
     rank, world_size, artifact_dir = opened.rank, opened.world_size, opened.path
-    dtype = compute_dtype(manifest, device)
+    if cpu_act_dtype is None:
+        cpu_act_dtype = get_settings().cpu_act_dtype
+    dtype = compute_dtype(manifest, device, cpu_act_dtype)
     has_lm_head_layer = "lm_head" in manifest.layers
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, world_size=world_size, has_lm_head=has_lm_head_layer)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_w4a8
+from kernels.base import ALL_ROWS
 from kernels.native_build import NativeLibrary
 from runtime.kv_cache import KVCache
 from runtime.layers import KernelLinear
@@ -57,7 +58,7 @@ class KilnLinear(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
         ("block_n", ctypes.c_int32), ("split", ctypes.c_int32), ("op_group", ctypes.c_int32),
-        ("zo_groups", ctypes.c_int32), ("round_out", ctypes.c_int32),
+        ("zo_groups", ctypes.c_int32), ("round_out", ctypes.c_int32), ("bf16_rows", ctypes.c_int32),
         ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
         ("zero_offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("scales32", ctypes.c_void_p),
     ]  # fmt: skip
@@ -129,8 +130,11 @@ class LinearDescription:
     keep: list[torch.Tensor]
 
 
-def describe_linear(layer: KernelLinear, *, round_io: bool) -> LinearDescription:
-    """The library's view of a bound layer; Unsupported when its kernel or layout has no native path."""
+def describe_linear(layer: KernelLinear, *, round_io: bool, op_rounding: bool = True) -> LinearDescription:
+    """The library's view of a bound layer; Unsupported when its kernel or layout has no native path.
+    `round_io`: the model's activations are bf16 (the output rounded). `op_rounding`: round where the
+    kernel's torch op rounds at the batch size (`LinearKernel.bf16_op_rows`), as the eager forward
+    does; False: the layer's exact product (the kernel tests)."""
     kernel, spec, tensors = layer.kernel, layer.spec, layer.tensors
     if kernel is None or spec is None:
         raise Unsupported(f"{layer.name} is not bound")
@@ -144,7 +148,8 @@ def describe_linear(layer: KernelLinear, *, round_io: bool) -> LinearDescription
         return t
 
     bias = held(tensors.get("bias"), torch.float32)
-    s = KilnLinear(n=spec.n, k=spec.k, round_out=int(round_io), bias=_ptr(bias))
+    bf16_rows = min(kernel.bf16_op_rows(), ALL_ROWS) if op_rounding else 0
+    s = KilnLinear(n=spec.n, k=spec.k, round_out=int(round_io), bf16_rows=bf16_rows, bias=_ptr(bias))
     if kernel.name == "cpu_int4":
         if "perm" in tensors:
             raise Unsupported(f"{layer.name}: act-order (a permuted input) has no native path")

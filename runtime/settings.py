@@ -21,6 +21,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.body_limit import BODY_IDLE_TIMEOUT_S, BODY_TIMEOUT_S
 
+CpuActDtype = Literal["auto", "float32", "bfloat16"]
+
 # Development credentials shipped in docker-compose.yml / MinIO defaults: refused outside development.
 DEFAULT_SECRETS = frozenset({"change-me", "changethis", "kiln", "kiln-secret", "minioadmin", "postgres"})
 
@@ -41,6 +43,10 @@ class RuntimeSettings(BaseSettings):
 
     # --- serving ---------------------------------------------------------------------------------
     num_threads: int = 0  # 0: torch default
+    # CPU activation dtype: "auto" is bf16 where the CPU multiplies bf16 natively and every layer's
+    # kernel prefers it, else fp32 (runtime/loader.py compute_dtype); the others force one (bf16 on
+    # a CPU without native bf16 is emulated: slower, but the same numbers as a bf16 machine's)
+    cpu_act_dtype: CpuActDtype = "auto"
     # the decode step: "native" (runtime/native_decode.py; models it does not cover decode eagerly)
     # or "eager" (torch ops from Python: the reference)
     decode_step: Literal["native", "eager"] = "native"

@@ -2,7 +2,9 @@
  *
  * The eager forward (runtime/model.py) is the reference: this file computes the same step with the
  * same rounding points — activations rounded to the model's activation dtype (bf16) at every linear
- * layer's input and output, an fp32 residual stream, RoPE / attention / SwiGLU in fp32, the KV cache
+ * layer's input and output, and in an fp32 model where a layer's kernel runs a bf16 torch op at that
+ * batch size (its input and its product: cpu_int4's op always, cpu_int8's below its widened GEMM's
+ * batch; `bf16_rows`), an fp32 residual stream, RoPE / attention / SwiGLU in fp32, the KV cache
  * written in its own dtype (bf16, fp32 or e4m3 with a per-layer scale) — but without per-op dispatch:
  * every thread of a small spinning pool runs the whole step, splitting each layer's output rows,
  * with a barrier between dependent phases.
@@ -83,6 +85,8 @@ typedef struct {
     int32_t block_n, split, op_group; /* INT4; W4A8: op_group is the weight group */
     int32_t zo_groups;                /* INT4: rows of zero_offsets, 0 when none */
     int32_t round_out;                /* round the output to bf16 */
+    int32_t bf16_rows;                /* below this many tokens the kernel's torch op is bf16 in and out:
+                                         its input and its product (before the bias) are rounded */
     const void *weight;               /* INT4 (N, K/2) u8 | INT8 (N, K) i8 | (N, K) f32 / bf16 | W4A8 codes */
     const uint16_t *scales;           /* INT4 (K/op_group, N, 2) bf16 | INT8 (N,) bf16 */
     const float *zero_offsets;        /* INT4 (zo_groups, N) */
@@ -721,6 +725,12 @@ static dots_fn pick_dots(int kind) {
     return (dots_fn)table[row][isa];
 }
 
+/* whether layer L takes its M tokens rounded to bf16: the model's activations are bf16, or its
+ * kernel's op is bf16 at this batch (the eager forward's rounding points) */
+static inline int rounds_input(const kiln_linear *L, int m_rows, int round_act) {
+    return round_act || m_rows < L->bf16_rows;
+}
+
 /* rows [r0, r1) of one linear layer: y (M, N), with its scales, bias and output rounding */
 static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0, int r1, float *y,
                         float *scratch) {
@@ -746,8 +756,8 @@ static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0
         break;
     default: pick_dots(L->kind)(L->weight, k, x, m_rows, r0, r1, n, y); break;
     }
-    /* torch's int4 / int8 ops hand back the activation dtype before the bias is added */
-    const int op_rounds = (L->kind == W_INT4 || L->kind == W_INT8) && L->round_out && L->bias;
+    /* torch's bf16 int4 / int8 ops hand back bf16 before the bias is added */
+    const int op_rounds = m_rows < L->bf16_rows;
     for (int m = 0; m < m_rows; m++)
         for (int r = r0; r < r1; r++) {
             float v = y[(size_t)m * n + r];
@@ -983,7 +993,8 @@ static void step_job(void *arg, int tid, int nthreads) {
     for (int l = 0; l < md->num_layers; l++) {
         const kiln_layer *ly = &md->layers[l];
         for (int m = a; m < b; m++)
-            rms_norm_rows(st->resid + (size_t)m * H, ly->input_norm, H, md->eps, md->round_act, st->normed + (size_t)m * H);
+            rms_norm_rows(st->resid + (size_t)m * H, ly->input_norm, H, md->eps, rounds_input(&ly->qkv, M, md->round_act),
+                          st->normed + (size_t)m * H);
         barrier(nthreads);
         my_rows(&ly->qkv, tid, nthreads, &r0, &r1);
         linear_rows(&ly->qkv, st->normed, M, r0, r1, st->qkv, scratch);
@@ -1019,7 +1030,7 @@ static void step_job(void *arg, int tid, int nthreads) {
             if (isa == ISA_AVX512) attend_avx512(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
             else if (isa == ISA_AVX2) attend_avx2(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
             else attend_scalar(md, ly, q, h1 - h0, slot, pos, kvh, scratch, out);
-            if (md->round_act)
+            if (rounds_input(&ly->o, M, md->round_act))
                 for (int i = 0; i < (h1 - h0) * D; i++) out[i] = round_bf16(out[i]);
         }
         barrier(nthreads);
@@ -1029,7 +1040,8 @@ static void step_job(void *arg, int tid, int nthreads) {
         for (int m = a; m < b; m++) {
             float *x = st->resid + (size_t)m * H;
             for (int i = 0; i < H; i++) x[i] += st->o[(size_t)m * H + i];
-            rms_norm_rows(x, ly->post_norm, H, md->eps, md->round_act, st->normed + (size_t)m * H);
+            rms_norm_rows(x, ly->post_norm, H, md->eps, rounds_input(&ly->gate_up, M, md->round_act),
+                          st->normed + (size_t)m * H);
         }
         barrier(nthreads);
         my_rows(&ly->gate_up, tid, nthreads, &r0, &r1);
@@ -1038,9 +1050,10 @@ static void step_job(void *arg, int tid, int nthreads) {
         units = M * I;
         {
             const int u0 = (int)((long)units * tid / nthreads), u1 = (int)((long)units * (tid + 1) / nthreads);
-            if (isa == ISA_AVX512) swiglu_avx512(st->gate_up, I, u0, u1, md->round_act, st->act);
-            else if (isa == ISA_AVX2) swiglu_avx2(st->gate_up, I, u0, u1, md->round_act, st->act);
-            else swiglu_scalar(st->gate_up, I, u0, u1, md->round_act, st->act);
+            const int round = rounds_input(&ly->down, M, md->round_act);
+            if (isa == ISA_AVX512) swiglu_avx512(st->gate_up, I, u0, u1, round, st->act);
+            else if (isa == ISA_AVX2) swiglu_avx2(st->gate_up, I, u0, u1, round, st->act);
+            else swiglu_scalar(st->gate_up, I, u0, u1, round, st->act);
         }
         barrier(nthreads);
         my_rows(&ly->down, tid, nthreads, &r0, &r1);
@@ -1050,7 +1063,8 @@ static void step_job(void *arg, int tid, int nthreads) {
             for (int i = 0; i < H; i++) st->resid[(size_t)m * H + i] += st->down[(size_t)m * H + i];
     }
     for (int m = a; m < b; m++)
-        rms_norm_rows(st->resid + (size_t)m * H, md->final_norm, H, md->eps, md->head_round_in, st->normed + (size_t)m * H);
+        rms_norm_rows(st->resid + (size_t)m * H, md->final_norm, H, md->eps, rounds_input(md->head, M, md->head_round_in),
+                      st->normed + (size_t)m * H);
     barrier(nthreads);
     my_rows(md->head, tid, nthreads, &r0, &r1);
     linear_rows(md->head, st->normed, M, r0, r1, st->logits, scratch);

@@ -652,3 +652,42 @@ def test_dense_refuses_quantized_layers_on_gpu(target: Target) -> None:
 def test_dense_rejects_a_weight_of_the_wrong_scheme() -> None:
     with pytest.raises(LayoutError, match="scheme dense but got IntWeight"):
         DenseKernel().prepare(int_weight(64, 64), LinearSpec("l", "dense", 64, 64), Target.CPU)
+
+
+# ----------------------------------------------------------------------------------------------
+# where the CPU kernels' torch ops round an fp32 model's activations (bf16_op_rows)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bf16_exact(t: torch.Tensor) -> bool:
+    return torch.equal(t, t.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("kernel_name", ["cpu_int4", "cpu_int8", "cpu_w8a8"])
+def test_bf16_op_rows_says_where_the_op_rounds_fp32_activations(
+    kernel_name: str, native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native decode step rounds an fp32 model's activations where `bf16_op_rows` says the
+    kernel's op does: below it, fp32 input gives the bf16-rounded input's result and the product is
+    a bf16 value; from it on (or never, 0), fp32 input is multiplied as it comes."""
+    monkeypatch.setattr("kernels.cpu_int8.has_native_bf16", lambda: native_bf16)
+    bits = 4 if kernel_name == "cpu_int4" else 8
+    w = int_weight(192, 576, bits=bits, group_size=64 if bits == 4 else -1, bias=False, seed=12)
+    spec = int_spec(w, int8_activations=kernel_name == "cpu_w8a8")
+    kernel = {"cpu_int4": CpuInt4Kernel, "cpu_int8": CpuInt8Kernel, "cpu_w8a8": CpuW8A8Kernel}[kernel_name]()
+    tensors = kernel.prepare(w, spec, Target.CPU)
+    run = kernel.bind_apply(tensors, spec)
+    rows = kernel.bf16_op_rows()
+    gen = torch.Generator().manual_seed(13)
+    for m in sorted({1, 4, DEQUANT_MIN_M_FP32 + 1} | ({rows - 1, rows} if 1 < rows < 1024 else set())):
+        x = torch.randn(m, spec.k, generator=gen)
+        y = run(x)
+        if m < rows:
+            assert torch.equal(y, run(x.to(torch.bfloat16).float())), (kernel_name, m)
+            # cpu_int8's widened bf16 GEMM (native bf16, from DEQUANT_MIN_M rows) rounds its sum
+            # before the channel scale, the step after it: one rounding apart
+            widened = kernel_name == "cpu_int8" and native_bf16 and m >= DEQUANT_MIN_M
+            assert widened or _bf16_exact(y), (kernel_name, m)
+        else:
+            assert not _bf16_exact(y), (kernel_name, m)

@@ -92,3 +92,30 @@ def test_refuses_truncated_rank_file_and_wrong_tp(
     rank_file.write_bytes(rank_file.read_bytes()[:-100])
     with pytest.raises(LoadError, match=r"rank0\.safetensors has .* bytes, the manifest says .*truncated"):
         load_model(path)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_the_cpu_activation_dtype_follows_the_cpu_or_the_setting(
+    tmp_path: Path,
+    llama_artifact: tuple[PreTrainedModel, Path],
+    native_bf16: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "auto": bf16 where the CPU multiplies bf16 natively and every kernel prefers it; KILN_CPU_ACT_DTYPE
+    (or load_model's cpu_act_dtype) forces fp32 anywhere and bf16 wherever the kernels take it, so one
+    machine runs the other kind's path. A dense artifact (fp32 CPU weights) stays fp32."""
+    from devtools.builders.synthetic import write_checkpoint
+    from runtime import settings as settings_module
+    from services.convert.library import ConversionRequest, convert
+
+    monkeypatch.setattr("runtime.loader.has_native_bf16", lambda: native_bf16)
+    source = write_checkpoint(tmp_path / "src", "gptq")
+    # its lm_head as cpu_int8: every layer's kernel prefers bf16
+    [int4] = convert(ConversionRequest(str(source), ["cpu"], out=str(tmp_path), quantize_head="int8"))
+    auto = torch.bfloat16 if native_bf16 else torch.float32
+    for setting, want in (("auto", auto), ("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        assert load_model(int4.uri, with_tokenizer=False, cpu_act_dtype=setting).dtype == want, setting
+        monkeypatch.setenv("KILN_CPU_ACT_DTYPE", setting)
+        monkeypatch.setattr(settings_module, "_current", None)
+        assert load_model(int4.uri, with_tokenizer=False).dtype == want, setting
+        assert load_model(llama_artifact[1], with_tokenizer=False).dtype == torch.float32, setting
