@@ -10,6 +10,8 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
+# Two xdist workers, one work unit per test module, waiting modules first (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 # Flakiness, measured: the `timing` tests rerun N times under a CPU hog (RUNS=10), failures per test.
 RUNS ?= 10
@@ -62,7 +64,7 @@ test: install vllm-venv
 	# Debian's headless Chromium + chromedriver for the console's browser tests (no download at test time).
 	command -v chromedriver >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium unavailable: the console's browser tests will skip"
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow and not gpu" --durations=40 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadgroup --durations=40 $(PYTEST_ARGS)
 
 flaky: install
 	bash infra/ensure-services.sh

@@ -1,8 +1,9 @@
-"""Suite-wide configuration: markers, GPU skipping, shared fixture plugins."""
+"""Suite-wide configuration: markers, GPU skipping, shared fixture plugins, xdist scheduling."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,7 +20,42 @@ pytest_plugins = [
 ]
 
 
+# Modules whose time is mostly waiting on other processes (a Celery worker killed and redelivered,
+# a vLLM host starting, a server restarted): scheduled first, so the waits overlap the compute-bound
+# modules on the other xdist worker instead of ending the run alone.
+WAITING_MARKERS = ("services", "vllm", "timing")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `make test` runs two xdist workers on two cores: each computes on one thread (torch's and the
+    # native step's pools, its subprocesses' too), or both workers' OpenMP teams spin on each other.
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """A module that sets torch's thread count (to measure at 2 threads, as the peers) leaves the
+    worker's count as it found it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _module_waits(items: list[pytest.Item]) -> set[str]:
+    return {item.nodeid.split("::")[0] for item in items if any(m in item.keywords for m in WAITING_MARKERS)}
+
+
+@pytest.hookimpl(trylast=True)  # after the directories' hooks have added their markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # One xdist work unit per module (`--dist loadgroup`): a module's fixtures (a vLLM host, a
+    # service stack, a built artifact) are set up once, on one worker.
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    waiting = _module_waits(items)
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in waiting)  # stable: order kept within
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

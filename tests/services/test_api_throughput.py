@@ -18,13 +18,16 @@ from sqlalchemy import create_engine, event, text
 
 from services.api.app import create_app
 from services.db import repo
-from services.db.session import get_engine, session_factory, session_scope
+from services.db.session import dispose_engines, get_engine, session_factory, session_scope
 from services.settings import ServiceSettings as Settings
 from tests.services.conftest import PG_ADMIN_URL, REPO, create_token, make_settings
 
 
 @pytest.fixture
 def settings(services_env: dict[str, str]) -> Settings:
+    # as in a fresh API process: no connection pooled by an earlier test of this worker (the
+    # warm-up test counts the connections a start opens)
+    dispose_engines()
     return make_settings({**services_env, "KILN_TOKEN_CACHE_S": "0.5"})
 
 
