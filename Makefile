@@ -10,7 +10,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
-# Two xdist workers, one work unit per test module, waiting modules first (tests/conftest.py).
+# Two xdist workers, one work unit per test module, waiting modules first (tests/conftest.py); 0: serial.
 TEST_WORKERS ?= 2
 
 # Flakiness, measured: the `timing` tests rerun N times under a CPU hog (RUNS=10), failures per test.
