@@ -43,8 +43,8 @@ def _torch_threads_restored() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _module_waits(items: list[pytest.Item]) -> set[str]:
-    return {item.nodeid.split("::")[0] for item in items if any(m in item.keywords for m in WAITING_MARKERS)}
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(trylast=True)  # after the directories' hooks have added their markers
@@ -53,9 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # service stack, a built artifact) are set up once, on one worker.
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    waiting = _module_waits(items)
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in waiting)  # stable: order kept within
+            item.add_marker(pytest.mark.xdist_group(_module(item)))
+    waiting = {_module(item) for item in items if any(m in item.keywords for m in WAITING_MARKERS)}
+    items.sort(key=lambda item: _module(item) not in waiting)  # stable: order kept within
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
