@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 # Flakiness, measured: the `timing` tests rerun N times under a CPU hog (RUNS=10), failures per test.
 RUNS ?= 10
 
-.PHONY: flaky install vllm-venv demo test lint bench-repack bench-convert bench-runtime llamacpp-venv bench-api bench-moe bench-vllm gpu-check clean
+.PHONY: flaky install vllm-venv demo test lint bench-repack bench-convert bench-runtime bench-runtime-avx2 llamacpp-venv llamacpp-venv-avx2 bench-api bench-moe bench-vllm gpu-check clean
 
 install: $(STAMP)
 
@@ -84,7 +84,13 @@ bench-convert: install
 # this CPU's SIMD flags and never AMX (see infra/llamacpp-cmake-args.sh).
 LLAMA_VENV ?= /tmp/llamacpp-venv
 
+# KILN_CPU_ISA=avx2 builds it as an AVX2-only CPU runs it, into its own venv (bench-runtime-avx2).
+LLAMA_VENV_AVX2 ?= /tmp/llamacpp-venv-avx2
+
 llamacpp-venv: $(LLAMA_VENV)/.kiln-installed
+
+llamacpp-venv-avx2:
+	$(MAKE) llamacpp-venv LLAMA_VENV=$(LLAMA_VENV_AVX2) KILN_CPU_ISA=avx2
 
 $(LLAMA_VENV)/.kiln-installed:
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
@@ -94,6 +100,10 @@ $(LLAMA_VENV)/.kiln-installed:
 # Every row of the runtime table: Kiln (library and served), transformers, llama.cpp, vLLM CPU.
 bench-runtime: install vllm-venv llamacpp-venv
 	$(PY) bench/runtime.py --vllm-python $(VLLM_PY) --llama-python $(LLAMA_VENV)/bin/python
+
+# The same as an AVX2-only x86 CPU runs it (on any x86 machine): Kiln, torch and llama.cpp capped at AVX2.
+bench-runtime-avx2: install vllm-venv llamacpp-venv-avx2
+	$(PY) bench/runtime.py --cpu-isa avx2 --vllm-python $(VLLM_PY) --llama-python $(LLAMA_VENV_AVX2)/bin/python
 
 bench-api: install
 	$(PY) bench/api.py

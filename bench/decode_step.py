@@ -7,7 +7,8 @@ on the same artifact, at 1 and 2 threads, batch 1 / 8 / 16, in one run.
 Each (threads, step) pair runs in a fresh process (the native pool's size is fixed per process);
 a process prefills every sequence with the same 40 tokens, then times `--steps` greedy decode steps
 at positions 40.. (after 8 warm-up steps), the fastest of `--rounds`. Default artifact: the SmolLM2
-GPTQ int4 CPU artifact (devtools/builders/smollm2.py, built on first use). Prints ms per step and
+GPTQ int4 CPU artifact with the cpu defaults (cpu_w4a8, int8 head; devtools/builders/smollm2.py,
+built on first use). Prints ms per step and
 the ratios native / eager (> 1: native is faster) and 2 threads / 1 thread.
 """
 

@@ -22,11 +22,13 @@ Every system runs in its own process, so each figure includes nothing of the oth
   peak RSS     the decode process's peak resident set (VmHWM; a server's processes summed).
 
 Systems: every Kiln artifact (default: the SmolLM2 CPU artifacts built by devtools/builders/smollm2.py —
-bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ, SmoothQuant W8A8 int8 as
-declared and the same checkpoint weight-only, the GPTQ one with `--quantize-head int8`, and
-kiln-gguf-q4_1: llama.cpp's own GGUF converted as it is, its Q4_1 layers in cpu_int4, also with
-`--quantize-head int8` (llama.cpp's head is the GGUF's Q8_0 tied embedding) — converted on first use
-and cached under .cache/kiln-test/artifacts;
+bf16 passthrough, FP8 online, int4 from GPTQ and from AutoAWQ-packed AWQ with the cpu defaults (int8
+activations into the 4-bit layers, cpu_w4a8, and an int8 head: services/convert/cpu_defaults.py), the
+GPTQ one also with 16-bit activations (-a16) and weight-only with its 16-bit head as well
+(-weight-only), SmoothQuant W8A8 int8 as declared and the same checkpoint weight-only, and
+kiln-gguf-q4_1: llama.cpp's own GGUF converted as it is (its Q4_1 layers on cpu_w4a8, the Q8_0 tied
+embedding's head int8, as llama.cpp runs them), also weight-only — converted on first use and cached
+under .cache/kiln-test/artifacts;
 --default-artifacts picks some of them), the --serve ones also behind `kiln serve`; transformers on the
 bf16 source in fp32 and bf16; llama.cpp through llama-cpp-python on the GGUF the checkpoints come from,
 when --llama-python (default /tmp/llamacpp-venv/bin/python, `make llamacpp-venv`) can import llama_cpp —
@@ -72,10 +74,10 @@ PROMPT = (
 BATCHES = (1, 8, 16)
 WARMUP_TOKENS = 8
 PREFILL_REPEATS = 3  # prefill (prompt -> first token of every sequence): the fastest of this many
-GGUF_ARTIFACT = "kiln-gguf-q4_1"  # Kiln converted from the GGUF llama.cpp runs: the weight-for-weight row
-GGUF_INT8_HEAD_ARTIFACT = "kiln-gguf-q4_1-int8-head"  # the same with --quantize-head int8
-GGUF_W4A8_ARTIFACT = "kiln-gguf-q4_1-w4a8"  # --int8-activations: int8 x int4 dot products, as llama.cpp
-GGUF_W4A8_INT8_HEAD_ARTIFACT = "kiln-gguf-q4_1-w4a8-int8-head"  # ... and the head int8 as llama.cpp's Q8_0
+# Kiln converted from the GGUF llama.cpp runs, with the cpu defaults (int8 x int4 dot products and an
+# int8 head, as llama.cpp's Q8_0 one): the weight-for-weight row
+GGUF_ARTIFACT = "kiln-gguf-q4_1"
+GGUF_WEIGHT_ONLY_ARTIFACT = "kiln-gguf-q4_1-weight-only"  # --quantize-head none --no-int8-activations
 
 
 def _peak_rss_mb() -> float:
@@ -363,15 +365,15 @@ def default_artifacts(
     from devtools.builders import smollm2
 
     # name -> (source builder, build_artifact's options: --method, disabled kernels, --quantize-head,
-    # --int8-activations)
-    head, w4a8 = {"quantize_head": "int8"}, {"int8_activations": True}
+    # --[no-]int8-activations). a16: 16-bit activations (cpu_int4, the int8 head kept); weight-only:
+    # the 16-bit head too
+    a16, weight_only = {"int8_activations": False}, {"quantize_head": "none", "int8_activations": False}
     sources: dict[str, tuple[Any, dict[str, Any]]] = {
         "bf16": (smollm2.build_bf16, {}),
         "fp8": (smollm2.build_bf16, {"method": "fp8"}),
         "int4-gptq": (smollm2.build_gptq, {}),
-        "int4-gptq-int8-head": (smollm2.build_gptq, head),
-        "int4-gptq-w4a8": (smollm2.build_gptq, w4a8),
-        "int4-gptq-w4a8-int8-head": (smollm2.build_gptq, {**w4a8, **head}),
+        "int4-gptq-a16": (smollm2.build_gptq, a16),
+        "int4-gptq-weight-only": (smollm2.build_gptq, weight_only),
         "int4-awq": (smollm2.build_awq_packed, {}),
         # SmoothQuant W8A8 as declared (int8 x int8) and the same checkpoint weight-only
         "int8-w8a8": (smollm2.build_w8a8_int8, {}),
@@ -396,9 +398,7 @@ def default_artifacts(
     # Q8_0 tied embedding; with --quantize-head int8 Kiln's is 8-bit too)
     gguf_rows = {
         GGUF_ARTIFACT: {},
-        GGUF_INT8_HEAD_ARTIFACT: head,
-        GGUF_W4A8_ARTIFACT: w4a8,
-        GGUF_W4A8_INT8_HEAD_ARTIFACT: {**w4a8, **head},
+        GGUF_WEIGHT_ONLY_ARTIFACT: weight_only,
     }
     for name, options in gguf_rows.items():
         if names is not None and name.removeprefix("kiln-") not in names:
@@ -456,8 +456,25 @@ def _cpu_description() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
                 flags = line.split(":", 1)[1].split()
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+    from kernels.cpu_features import cpu_flags, isa_cap
+
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+    return {
+        "model": model,
+        "flags": [f for f in wanted if f in flags],
+        "kiln_cpu_isa": isa_cap(),
+        "flags_used": [f for f in wanted if f in cpu_flags()],
+        "cores": os.cpu_count(),
+    }
+
+
+def cpu_header(cpu: dict[str, Any]) -> str:
+    """The machine a table's figures come from: model, SIMD flags, cores, and the cap when one was set."""
+    text = f"{cpu['model'] or 'unknown CPU'}, {cpu['cores']} cores, flags {' '.join(cpu['flags']) or 'none'}"
+    if cpu.get("kiln_cpu_isa", "auto") != "auto":
+        used = " ".join(cpu.get("flags_used", [])) or "none"
+        text += f"; run as {cpu['kiln_cpu_isa']} only (KILN_CPU_ISA: flags used {used})"
+    return text
 
 
 def _llama_available(python: str) -> bool:
@@ -485,10 +502,18 @@ SERVED_VS_LLAMA_CPP_GOAL = 1.0
 SERVED_VS_VLLM_COMPILED_GOAL = 1.5
 
 
-def results_table(results: dict[str, dict[str, Any]]) -> Any:
+def vs_llama_cpp(row: dict[str, Any], llama: dict[str, Any] | None, what: str, batch: str) -> float | None:
+    """A row's tok/s over llama.cpp's at `batch` (llama.cpp's batch B: one sequence after another)."""
+    mine, theirs = row.get(f"{what}_tok_s", {}).get(batch), (llama or {}).get(f"{what}_tok_s", {}).get(batch)
+    return None if mine is None or not theirs else mine / theirs
+
+
+def results_table(results: dict[str, dict[str, Any]], cpu: dict[str, Any] | None = None) -> Any:
     from rich.table import Table
 
-    table = Table(title="Kiln runtime vs peers (SmolLM2-135M-Instruct, CPU)")
+    title = "Kiln runtime vs peers (SmolLM2-135M-Instruct, CPU)"
+    table = Table(title=f"{title}\n{cpu_header(cpu)}" if cpu else title)
+    llama = results.get("llama.cpp")
     batch_keys = sorted(
         {k for r in results.values() for k in r["decode_tok_s"] if k.isdigit() and k != "1"}, key=int
     )
@@ -503,7 +528,8 @@ def results_table(results: dict[str, dict[str, Any]]) -> Any:
         "b1 tok/s",
         "b1 non-stream",
     )
-    for col in (*cols, *(f"b{b} tok/s" for b in batch_keys), "peak RSS MB"):
+    vs_llama = ("b1 prefill / llama.cpp", "b1 decode / llama.cpp") if llama else ()
+    for col in (*cols, *(f"b{b} tok/s" for b in batch_keys), "peak RSS MB", *vs_llama):
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results.items():
         d, p = r["decode_tok_s"], r.get("prefill_tok_s", {})
@@ -518,6 +544,7 @@ def results_table(results: dict[str, dict[str, Any]]) -> Any:
             _fmt(d.get("1-nonstream")),
             *(_fmt(d.get(b)) for b in batch_keys),
             _fmt(r["peak_rss_mb"], ""),
+            *(_fmt(vs_llama_cpp(r, llama, what, "1"), "x") for what in ("prefill", "decode") if llama),
         )
     return table
 
@@ -610,12 +637,14 @@ def goals_of(
     return goals
 
 
-def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> dict[str, Any]:
+def report(
+    results: dict[str, dict[str, Any]], import_torch: float | None, cpu: dict[str, Any] | None
+) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=220)
-    console.print(results_table(results))
+    console.print(results_table(results, cpu))
     if import_torch is not None:
         console.print(f"`import torch` alone: {import_torch:.2f} s")
     ratios = ratios_of(results)
@@ -628,7 +657,7 @@ def report(results: dict[str, dict[str, Any]], import_torch: float | None) -> di
     for c in sorted({k for rr in ratios.values() for k in rr}):
         ratio_table.add_row(c, *(_fmt(rr.get(c), "x") for rr in ratios.values()))
     console.print(ratio_table)
-    gguf_rows = (GGUF_ARTIFACT, GGUF_INT8_HEAD_ARTIFACT, GGUF_W4A8_ARTIFACT, GGUF_W4A8_INT8_HEAD_ARTIFACT)
+    gguf_rows = (GGUF_ARTIFACT, GGUF_WEIGHT_ONLY_ARTIFACT)
     w4w = {a: t for a in gguf_rows if (t := weight_for_weight(results, a))}
     for table in w4w.values():
         console.print(weight_for_weight_table(table))
@@ -669,6 +698,14 @@ def parse_args() -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also serve the bf16 source with vLLM (rows vllm-cpu-bf16-*)",
+    )
+    ap.add_argument(
+        "--cpu-isa",
+        default="auto",
+        choices=("auto", "avx2"),
+        help="avx2: run Kiln and torch as an AVX2-only CPU does (KILN_CPU_ISA, torch's and oneDNN's caps: "
+        "no AVX-512, VNNI or native bf16); give --llama-python a llama.cpp built the same way "
+        "(make llamacpp-venv-avx2)",
     )
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tokens", type=int, default=128)
@@ -776,8 +813,12 @@ def main() -> None:
         return
     if args.report:
         saved = json.loads(args.report.read_text())
-        report(saved["results"], saved.get("import_torch_s"))
+        report(saved["results"], saved.get("import_torch_s"), saved.get("cpu"))
         return
+    # before anything imports torch: every child inherits the cap (llama.cpp's is its build's)
+    from kernels.cpu_features import isa_environment
+
+    os.environ.update(isa_environment(args.cpu_isa))
     print("preparing artifacts and checkpoints ...", flush=True)
     systems, served_systems = choose_systems(args)
     for _, _, path in systems:
@@ -788,10 +829,11 @@ def main() -> None:
     # a system that failed every round has no row
     results = {name: _median_of_runs(rs) for name, rs in runs.items() if rs}
     import_torch = import_torch_s(args)
-    summary = report(results, import_torch)
+    cpu = _cpu_description()
+    summary = report(results, import_torch, cpu)
     out = {
         "import_torch_s": import_torch,
-        "cpu": _cpu_description(),
+        "cpu": cpu,
         "tokens": args.tokens,
         "threads": args.threads,
         "batches": list(_batches(args)),

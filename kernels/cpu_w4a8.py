@@ -84,7 +84,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_w4a8_apply.restype = ctypes.c_int
 
 
-LIBRARY = NativeLibrary("cpu_w4a8 GEMV", SOURCE, FLAGS, _declare, libs=("-lm",), headers=(HEADER,))
+LIBRARY = NativeLibrary(
+    "cpu_w4a8 GEMV", SOURCE, FLAGS, _declare, libs=("-lm",), headers=(HEADER,), isa_function="kiln_w4a8_level"
+)
 
 
 def group_of(spec: LinearSpec) -> int:

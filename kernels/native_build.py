@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels import cpu_features
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "KILN_NATIVE_CACHE"
@@ -39,6 +41,7 @@ class NativeLibrary:
         declare: Callable[[ctypes.CDLL], None],
         libs: tuple[str, ...] = (),
         headers: tuple[Path, ...] = (),
+        isa_function: str | None = None,
     ) -> None:
         self.what = what  # for log lines: "native FP8 quantizer"
         self.source = source
@@ -46,6 +49,8 @@ class NativeLibrary:
         self.flags = flags
         self.libs = libs
         self.declare = declare
+        # the library's `int f(int cap)` capping its bodies: called with KILN_CPU_ISA's level on load
+        self.isa_function = isa_function
         self._lock = threading.Lock()
         self._state: dict[str, ctypes.CDLL | None] = {}
 
@@ -102,6 +107,8 @@ class NativeLibrary:
                 tmp.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(built))
         self.declare(lib)
+        if self.isa_function is not None:
+            getattr(lib, self.isa_function)(cpu_features.isa_level())
         log.info("%s: %s", self.what, built)
         return lib
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_w4a8
+from kernels import cpu_features, cpu_w4a8
 from kernels.base import ALL_ROWS
 from kernels.native_build import NativeLibrary
 from runtime.kv_cache import KVCache
@@ -49,7 +49,7 @@ MAX_GQA = 64  # query heads per kv head (its attention's per-group arrays)
 
 W_INT4, W_INT8, W_F32, W_BF16, W_F16, W_W4A8, W_W8A8 = 0, 1, 2, 3, 4, 5, 6
 DENSE_KINDS = {torch.float32: W_F32, torch.bfloat16: W_BF16, torch.float16: W_F16}
-ISA_NAMES = ("scalar", "avx2", "avx512")  # kiln_set_isa's levels
+ISA_NAMES = cpu_features.ISA_CAPS  # kiln_set_isa's levels
 KV_F32, KV_BF16, KV_FP8 = 0, 1, 2
 KV_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.float8_e4m3fn: KV_FP8}
 
@@ -105,7 +105,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = NativeLibrary(
-    "native decode step", SOURCE, FLAGS, _declare, libs=("-lm",), headers=(cpu_w4a8.HEADER,)
+    "native decode step",
+    SOURCE,
+    FLAGS,
+    _declare,
+    libs=("-lm",),
+    headers=(cpu_w4a8.HEADER,),
+    isa_function="kiln_set_isa",
 )
 
 

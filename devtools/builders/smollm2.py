@@ -462,11 +462,12 @@ def build_artifact(
     progress: Callable[[Any], None] | None = None,
     disabled_kernels: tuple[str, ...] = (),
     quantize_head: str | None = None,
-    int8_activations: bool = False,
+    int8_activations: bool | None = None,
 ) -> Path:
     """Convert `source` for `target` into `<cache>/artifacts/<artifact id>/` (reused when committed);
     `disabled_kernels` leaves kernels out of the choice (e.g. cpu_w8a8 to run W8A8 as W8A16),
-    `quantize_head` is `kiln convert --quantize-head`, `int8_activations` `--int8-activations`."""
+    `quantize_head` is `kiln convert --quantize-head`, `int8_activations` `--[no-]int8-activations`
+    (None: the target's default)."""
     from filelock import FileLock
 
     from services.convert.library import ConversionRequest, convert

@@ -18,9 +18,11 @@ static void detect(void) {
     level = detected;
 }
 
-/* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512 VNNI; tests run each): the one set. */
+/* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512 VNNI; tests run each): the one set.
+   cap < 0 only reads it. */
 int kiln_w4a8_level(int cap) {
     pthread_once(&detect_once, detect);
+    if (cap < 0) return level;
     level = cap < detected ? cap : detected;
     return level;
 }

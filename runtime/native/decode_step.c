@@ -13,7 +13,7 @@
  *   INT4   kernels/cpu_int4.py: torch's CPU int4 pack (N, K/2) uint8 in row blocks of `block_n`,
  *          for each k the block's bytes hold rows (d, d + block_n/2) ("split") or (2d, 2d + 1);
  *          scales_and_zeros (K/op_group, N, 2) bf16; optional exact zero offsets (G, N) fp32.
- *   INT8   kernels/cpu_int8.py: (N, K) int8 and (N,) bf16 scales.
+ *   INT8   kernels/cpu_int8.py: (N, K) int8 and (N,) bf16 scales, times int16-quantized activations (below).
  *   F32 / BF16 / F16  dense (N, K) weights (F16: a tied fp16 embedding as the LM head).
  *   W4A8   kernels/cpu_w4a8.py: 4-bit codes x int8 activations, its bodies included from
  *          kernels/native/w4a8_gemv.h (one home for the kernel and its layout).
@@ -69,9 +69,11 @@ static void detect_isa(void) {
     detected_w4a8 = w4a8_level = w4a8_detect();
 }
 
-/* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512; tests run each one): the one set. */
+/* The body in use, capped at `cap` (0 scalar, 1 AVX2, 2 AVX-512; tests run each one): the one set.
+   cap < 0 only reads it. */
 int kiln_set_isa(int cap) {
     pthread_once(&isa_once, detect_isa);
+    if (cap < 0) return isa;
     isa = cap < detected_isa ? cap : detected_isa;
     w4a8_level = cap < detected_w4a8 ? cap : detected_w4a8;
     return isa;
@@ -494,19 +496,20 @@ static void int4_rows(const kiln_linear *L, const float *x, int m_rows, int r0, 
     }
 }
 
-/* y[m, r] = dot(x[m], row r) for row-major weights: tiles of 4 rows x 4 tokens, so that each
- * weight load serves 4 tokens and each x load 4 rows (a short tile repeats its last token / row,
- * computed and not stored) */
-#define ROW_DOTS(NAME, ATTR, T, VEC, WIDTH, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)                         \
+/* y[m, r] = dot(x[m], row r) for row-major weights: tiles of 4 rows x TM tokens, so that each
+ * weight load serves TM tokens and each x load 4 rows (a short row tile repeats its last row,
+ * computed and not stored); the tokens past the last whole tile run one at a time — a tile of
+ * repeated tokens would multiply every weight TM times over (the batch-1 head ran 4x the FMAs). */
+#define ROW_DOTS_TILE(NAME, ATTR, T, VEC, WIDTH, TM, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)                 \
     ATTR static void NAME(const T *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y) { \
         for (int r = r0; r < r1; r += 4) {                                                         \
             const T *wr[4];                                                                        \
             for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(r + i < r1 ? r + i : r1 - 1) * k;     \
-            for (int m = 0; m < m_rows; m += 4) {                                                  \
-                const float *xm[4];                                                                \
-                for (int j = 0; j < 4; j++) xm[j] = x + (size_t)(m + j < m_rows ? m + j : m_rows - 1) * k; \
-                VEC a[4][4];                                                                       \
-                for (int j = 0; j < 4; j++)                                                        \
+            for (int m = 0; m < m_rows; m += TM) {                                                 \
+                const float *xm[TM];                                                               \
+                for (int j = 0; j < TM; j++) xm[j] = x + (size_t)(m + j) * k;                      \
+                VEC a[TM][4];                                                                      \
+                for (int j = 0; j < TM; j++)                                                       \
                     for (int i = 0; i < 4; i++) a[j][i] = ZERO();                                  \
                 int kk = 0;                                                                        \
                 for (; kk + WIDTH <= k; kk += WIDTH) {                                             \
@@ -515,12 +518,12 @@ static void int4_rows(const kiln_linear *L, const float *x, int m_rows, int r0, 
                             _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0); \
                     VEC wv[4];                                                                     \
                     for (int i = 0; i < 4; i++) wv[i] = LOADW(wr[i] + kk);                         \
-                    for (int j = 0; j < 4; j++) {                                                  \
+                    for (int j = 0; j < TM; j++) {                                                 \
                         const VEC xv = LOADX(xm[j] + kk);                                          \
                         for (int i = 0; i < 4; i++) a[j][i] = FMA(wv[i], xv, a[j][i]);             \
                     }                                                                              \
                 }                                                                                  \
-                for (int j = 0; j < 4 && m + j < m_rows; j++)                                      \
+                for (int j = 0; j < TM; j++)                                                       \
                     for (int i = 0; i < 4 && r + i < r1; i++) {                                    \
                         float s = HSUM(a[j][i]);                                                   \
                         for (int t = kk; t < k; t++) s += ELEM(wr[i][t]) * xm[j][t];               \
@@ -530,23 +533,33 @@ static void int4_rows(const kiln_linear *L, const float *x, int m_rows, int r0, 
         }                                                                                          \
     }
 
+/* whole tiles of TM tokens, then the rest one token at a time */
+#define TOKEN_TILES(NAME, T, TM, ARGS_DECL, CALL_TILE, CALL_ONE)                                   \
+    static void NAME ARGS_DECL {                                                                   \
+        const int full = m_rows / TM * TM;                                                         \
+        if (full) CALL_TILE;                                                                       \
+        for (int m = full; m < m_rows; m++) CALL_ONE;                                              \
+    }
+
+#define ROW_DOTS(NAME, ATTR, T, VEC, WIDTH, TM, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)                      \
+    ROW_DOTS_TILE(NAME##_tile, ATTR, T, VEC, WIDTH, TM, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)             \
+    ROW_DOTS_TILE(NAME##_one, ATTR, T, VEC, WIDTH, 1, ZERO, FMA, LOADX, LOADW, HSUM, ELEM)               \
+    TOKEN_TILES(NAME, T, TM,                                                                        \
+                (const T *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y),      \
+                NAME##_tile(w, k, x, full, r0, r1, n, y),                                          \
+                NAME##_one(w, k, x + (size_t)m * k, 1, r0, r1, n, y + (size_t)m * n))
+
 #define ELEM_F(v) ((float)(v))
 #define ELEM_BF16(v) bf16_to_f32(v)
 #define ELEM_F16(v) f16_to_f32(v)
 
 AVX512 static inline __m512 w512_f32(const float *p) { return _mm512_loadu_ps(p); }
-AVX512 static inline __m512 w512_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 AVX512 static inline __m512 w512_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 AVX512 static inline __m512 w512_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 AVX2 static inline __m256 w256_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 AVX2 static inline __m256 w256_f32(const float *p) { return _mm256_loadu_ps(p); }
-AVX2 static inline __m256 w256_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 AVX2 static inline __m256 w256_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -559,7 +572,6 @@ AVX2 static inline float hsum256(__m256 v) {
 static inline float scalar_zero(void) { return 0.0f; }
 static inline float scalar_fma(float a, float b, float c) { return a * b + c; }
 static inline float scalar_load(const float *p) { return *p; }
-static inline float scalar_i8(const int8_t *p) { return (float)*p; }
 static inline float scalar_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
 
 /* IEEE half -> float (subnormals, infinities and NaN included) */
@@ -572,20 +584,146 @@ static inline float f16_to_f32(uint16_t h) {
 static inline float scalar_f16(const uint16_t *p) { return f16_to_f32(*p); }
 static inline float scalar_id(float v) { return v; }
 
-ROW_DOTS(dots_f32_avx512, AVX512, float, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f32, _mm512_reduce_add_ps, ELEM_F)
-ROW_DOTS(dots_i8_avx512, AVX512, int8_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_i8, _mm512_reduce_add_ps, ELEM_F)
-ROW_DOTS(dots_bf16_avx512, AVX512, uint16_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_bf16, _mm512_reduce_add_ps, ELEM_BF16)
-ROW_DOTS(dots_f32_avx2, AVX2, float, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f32, hsum256, ELEM_F)
-ROW_DOTS(dots_i8_avx2, AVX2, int8_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_i8, hsum256, ELEM_F)
-ROW_DOTS(dots_bf16_avx2, AVX2, uint16_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_bf16, hsum256, ELEM_BF16)
-ROW_DOTS(dots_f16_avx512, AVX512, uint16_t, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f16, _mm512_reduce_add_ps, ELEM_F16)
-ROW_DOTS(dots_f16_avx2, AVX2, uint16_t, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f16, hsum256, ELEM_F16)
-ROW_DOTS(dots_f16_scalar, , uint16_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_f16, scalar_id, ELEM_F16)
-ROW_DOTS(dots_f32_scalar, , float, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_load, scalar_id, ELEM_F)
-ROW_DOTS(dots_i8_scalar, , int8_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_i8, scalar_id, ELEM_F)
-ROW_DOTS(dots_bf16_scalar, , uint16_t, float, 1, scalar_zero, scalar_fma, scalar_load, scalar_bf16, scalar_id, ELEM_BF16)
+ROW_DOTS(dots_f32_avx512, AVX512, float, __m512, 16, 4, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f32, _mm512_reduce_add_ps, ELEM_F)
+ROW_DOTS(dots_bf16_avx512, AVX512, uint16_t, __m512, 16, 4, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_bf16, _mm512_reduce_add_ps, ELEM_BF16)
+ROW_DOTS(dots_f32_avx2, AVX2, float, __m256, 8, 2, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f32, hsum256, ELEM_F)
+ROW_DOTS(dots_bf16_avx2, AVX2, uint16_t, __m256, 8, 2, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_bf16, hsum256, ELEM_BF16)
+ROW_DOTS(dots_f16_avx512, AVX512, uint16_t, __m512, 16, 4, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_loadu_ps, w512_f16, _mm512_reduce_add_ps, ELEM_F16)
+ROW_DOTS(dots_f16_avx2, AVX2, uint16_t, __m256, 8, 2, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_loadu_ps, w256_f16, hsum256, ELEM_F16)
+ROW_DOTS(dots_f16_scalar, , uint16_t, float, 1, 1, scalar_zero, scalar_fma, scalar_load, scalar_f16, scalar_id, ELEM_F16)
+ROW_DOTS(dots_f32_scalar, , float, float, 1, 1, scalar_zero, scalar_fma, scalar_load, scalar_load, scalar_id, ELEM_F)
+ROW_DOTS(dots_bf16_scalar, , uint16_t, float, 1, 1, scalar_zero, scalar_fma, scalar_load, scalar_bf16, scalar_id, ELEM_BF16)
 
 typedef void (*dots_fn)(const void *w, int k, const float *x, int m_rows, int r0, int r1, int n, float *y);
+
+/* ---------------------------------------------------------------- INT8 x int16 activations
+ * An INT8 layer (the quantized head) multiplies its fp32 activations quantized per token to int16:
+ * sx = amax / I8_QMAX, q = rint(x / sx) — an error of 2^-16 of the token's largest value, below
+ * the bf16 rounding of a bf16 model — with integer dot products (vpmaddwd: 16 k per instruction on
+ * AVX2, 32 on AVX-512), exact in int32 over spans of I8_SPAN k and summed in fp32 after: about twice
+ * the rate of widening each code to fp32 for an FMA, which left the head compute-bound (15 GB/s on
+ * an AVX2 core pair against 30 GB/s of memory bandwidth). Every body computes the same numbers. */
+#define I8_QMAX 32767.0f
+#define I8_SPAN 256 /* k per exact int32 sum: 256 x 32767 x 127 < 2^31 */
+#define I8_MIN_AMAX 1e-30f
+
+static void i8_quantize_rows(const float *x, int m_rows, int k, int16_t *q, float *sx) {
+    for (int m = 0; m < m_rows; m++) {
+        const float *xm = x + (size_t)m * k;
+        float amax = 0.0f;
+        for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xm[i]));
+        int16_t *qm = q + (size_t)m * k;
+        if (!(amax > I8_MIN_AMAX)) {
+            memset(qm, 0, (size_t)k * sizeof(int16_t));
+            sx[m] = 0.0f;
+            continue;
+        }
+        const float inv = I8_QMAX / amax;
+        for (int i = 0; i < k; i++) qm[i] = (int16_t)lrintf(xm[i] * inv);
+        sx[m] = amax / I8_QMAX;
+    }
+}
+
+static inline int32_t i8_span_tail(const int8_t *w, const int16_t *q, int a, int b) {
+    int32_t t = 0;
+    for (int i = a; i < b; i++) t += (int32_t)w[i] * q[i];
+    return t;
+}
+
+/* The tile loop every body shares: TR rows x TM tokens, spans of I8_SPAN k, SPAN_SUMS(s, e, TM)
+ * adding the rows' exact span sums into tot[j][i] (the body's vector loop, its tail in scalar). */
+#define I8_TILES(TR, TM, SPAN_SUMS)                                                                   \
+    for (int r = r0; r < r1; r += TR) {                                                               \
+        const int8_t *wr[TR];                                                                          \
+        for (int i = 0; i < TR; i++) wr[i] = w + (size_t)(r + i < r1 ? r + i : r1 - 1) * k;            \
+        for (int m = 0; m < m_rows; m += TM) {                                                        \
+            const int16_t *qm[TM];                                                                     \
+            for (int j = 0; j < TM; j++) qm[j] = q + (size_t)(m + j) * k;                              \
+            float tot[TM][TR] = {{0}};                                                                 \
+            for (int s = 0; s < k; s += I8_SPAN) {                                                     \
+                const int e = s + I8_SPAN < k ? s + I8_SPAN : k;                                       \
+                SPAN_SUMS(s, e, TM)                                                                    \
+            }                                                                                          \
+            for (int j = 0; j < TM; j++)                                                               \
+                for (int i = 0; i < TR && r + i < r1; i++) y[(size_t)(m + j) * n + r + i] = tot[j][i] * sx[m + j]; \
+        }                                                                                              \
+    }
+
+#define I8_SCALAR_SPAN(s, e, TM)                                                                      \
+    for (int j = 0; j < TM; j++)                                                                       \
+        for (int i = 0; i < 4; i++) tot[j][i] += (float)i8_span_tail(wr[i], qm[j], s, e);
+
+/* a body: tiles of TM tokens (NAME_tile), the rest one at a time (NAME_one) */
+#define I8_BODY(NAME, ATTR, TM, SPAN)                                                                 \
+    ATTR static void NAME##_tile(const int8_t *w, int k, const int16_t *q, const float *sx, int m_rows, int r0, \
+                                 int r1, int n, float *y) {                                            \
+        I8_TILES(4, TM, SPAN)                                                                          \
+    }                                                                                                  \
+    ATTR static void NAME##_one(const int8_t *w, int k, const int16_t *q, const float *sx, int m_rows, int r0, \
+                                int r1, int n, float *y) {                                             \
+        I8_TILES(4, 1, SPAN)                                                                           \
+    }                                                                                                  \
+    TOKEN_TILES(NAME, int8_t, TM,                                                                      \
+                (const int8_t *w, int k, const int16_t *q, const float *sx, int m_rows, int r0, int r1, int n, \
+                 float *y),                                                                            \
+                NAME##_tile(w, k, q, sx, full, r0, r1, n, y),                                          \
+                NAME##_one(w, k, q + (size_t)m * k, sx + m, 1, r0, r1, n, y + (size_t)m * n))
+
+I8_BODY(i8_rows_scalar, , 1, I8_SCALAR_SPAN)
+
+#define I8_AVX2_SPAN(s, e, TM)                                                                        \
+    __m256i a[TM][4];                                                                                  \
+    for (int j = 0; j < TM; j++)                                                                       \
+        for (int i = 0; i < 4; i++) a[j][i] = _mm256_setzero_si256();                                  \
+    int kk = s;                                                                                        \
+    for (; kk + 16 <= e; kk += 16) {                                                                   \
+        if (m == 0 && kk % 64 == 0)                                                                    \
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0); \
+        __m256i wv[4];                                                                                 \
+        for (int i = 0; i < 4; i++) wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[i] + kk))); \
+        for (int j = 0; j < TM; j++) {                                                                 \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(qm[j] + kk));                      \
+            for (int i = 0; i < 4; i++) a[j][i] = _mm256_add_epi32(a[j][i], _mm256_madd_epi16(wv[i], xv)); \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int j = 0; j < TM; j++)                                                                       \
+        for (int i = 0; i < 4; i++)                                                                    \
+            tot[j][i] += (float)(w4a8_hsum_epi32_256(a[j][i]) + i8_span_tail(wr[i], qm[j], kk, e));
+
+I8_BODY(i8_rows_avx2, AVX2, 2, I8_AVX2_SPAN)
+
+#define I8_AVX512_SPAN(s, e, TM)                                                                      \
+    __m512i a[TM][4];                                                                                  \
+    for (int j = 0; j < TM; j++)                                                                       \
+        for (int i = 0; i < 4; i++) a[j][i] = _mm512_setzero_si512();                                  \
+    int kk = s;                                                                                        \
+    for (; kk + 32 <= e; kk += 32) {                                                                   \
+        if (m == 0 && kk % 64 == 0)                                                                    \
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wr[i] + kk) + DOTS_PREFETCH_BYTES, _MM_HINT_T0); \
+        __m512i wv[4];                                                                                 \
+        for (int i = 0; i < 4; i++) wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + kk))); \
+        for (int j = 0; j < TM; j++) {                                                                 \
+            const __m512i xv = _mm512_loadu_si512((const void *)(qm[j] + kk));                         \
+            for (int i = 0; i < 4; i++) a[j][i] = _mm512_add_epi32(a[j][i], _mm512_madd_epi16(wv[i], xv)); \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int j = 0; j < TM; j++)                                                                       \
+        for (int i = 0; i < 4; i++)                                                                    \
+            tot[j][i] += (float)(_mm512_reduce_add_epi32(a[j][i]) + i8_span_tail(wr[i], qm[j], kk, e));
+
+I8_BODY(i8_rows_avx512, AVX512, 4, I8_AVX512_SPAN)
+
+/* rows [r0, r1) of an INT8 layer, before its scales: the input quantized by this thread for itself */
+static void i8_rows(const kiln_linear *L, const float *x, int m_rows, int r0, int r1, float *y, float *scratch) {
+    const int k = L->k;
+    float *sx = scratch;
+    int16_t *q = (int16_t *)(scratch + (size_t)(m_rows + 15) / 16 * 16);
+    i8_quantize_rows(x, m_rows, k, q, sx);
+    const int8_t *w = (const int8_t *)L->weight;
+    if (isa == ISA_AVX512) i8_rows_avx512(w, k, q, sx, m_rows, r0, r1, L->n, y);
+    else if (isa == ISA_AVX2) i8_rows_avx2(w, k, q, sx, m_rows, r0, r1, L->n, y);
+    else i8_rows_scalar(w, k, q, sx, m_rows, r0, r1, L->n, y);
+}
 
 /* ---------------------------------------------------------------- W8A8 */
 
@@ -715,13 +853,12 @@ static void w8a8_rows(const kiln_linear *L, const float *x, int m_rows, int r0, 
 }
 
 static dots_fn pick_dots(int kind) {
-    static const void *table[4][3] = {
+    static const void *table[3][3] = {
         {(const void *)dots_f32_scalar, (const void *)dots_f32_avx2, (const void *)dots_f32_avx512},
-        {(const void *)dots_i8_scalar, (const void *)dots_i8_avx2, (const void *)dots_i8_avx512},
         {(const void *)dots_bf16_scalar, (const void *)dots_bf16_avx2, (const void *)dots_bf16_avx512},
         {(const void *)dots_f16_scalar, (const void *)dots_f16_avx2, (const void *)dots_f16_avx512},
     };
-    int row = kind == W_F32 ? 0 : kind == W_INT8 ? 1 : kind == W_BF16 ? 2 : 3;
+    int row = kind == W_F32 ? 0 : kind == W_BF16 ? 1 : 2;
     return (dots_fn)table[row][isa];
 }
 
@@ -750,7 +887,7 @@ static void linear_rows(const kiln_linear *L, const float *x, int m_rows, int r0
         break;
     }
     case W_INT8:
-        pick_dots(W_INT8)(L->weight, k, x, m_rows, r0, r1, n, y);
+        i8_rows(L, x, m_rows, r0, r1, y, scratch);
         for (int m = 0; m < m_rows; m++)
             for (int r = r0; r < r1; r++) y[(size_t)m * n + r] *= bf16_to_f32(L->scales[r]);
         break;
@@ -1075,6 +1212,7 @@ static size_t linear_scratch_floats(const kiln_linear *L, int m_rows) {
     if (L->kind == W_INT4) return (size_t)m_rows * (L->k / L->op_group + 64 + L->zo_groups) + (size_t)L->op_group * 64;
     if (L->kind == W_W4A8) return w4a8_scratch_floats(m_rows, L->k, L->op_group);
     if (L->kind == W_W8A8) return (size_t)(m_rows + 15) / 16 * 16 + ((size_t)m_rows * L->k + 3) / 4;
+    if (L->kind == W_INT8) return (size_t)(m_rows + 15) / 16 * 16 + ((size_t)m_rows * L->k + 1) / 2;
     return 16;
 }
 

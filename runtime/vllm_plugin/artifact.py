@@ -102,7 +102,8 @@ def refuse_unservable(manifest: Manifest) -> None:
     if LM_HEAD in manifest.layers and manifest.layers[LM_HEAD].kernel != "dense":
         raise PluginError(
             f"lm_head is stored for kernel {manifest.layers[LM_HEAD].kernel}; vLLM's lm_head takes only "
-            "an unquantized weight: serve this artifact with `kiln serve`"
+            "an unquantized weight: serve this artifact with `kiln serve`, or convert for vLLM with "
+            "`--quantize-head none` (a cpu conversion of a 4-bit checkpoint quantizes the head by default)"
         )
 
 

@@ -8,7 +8,8 @@ from typing import Literal, get_args
 
 Method = Literal["auto", "fp8"]  # keep the checkpoint's quantization | quantize to FP8 online
 Fp8Scheme = Literal["tensor", "channel", "block"]  # online FP8 scales
-HeadQuant = Literal["int8"]  # --quantize-head: lm_head quantized online (cpu target)
+HeadQuant = Literal["int8", "none"]  # --quantize-head: lm_head quantized online (cpu target), or not
 METHODS: tuple[str, ...] = get_args(Method)
 FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
 HEAD_QUANTS: tuple[str, ...] = get_args(HeadQuant)
+NO_HEAD_QUANT = "none"  # --quantize-head none: lm_head stays in the checkpoint's precision

@@ -44,17 +44,20 @@ HeadOpt = Annotated[
     str | None,
     typer.Option(
         "--quantize-head",
-        help=f"quantize lm_head online for the cpu target: {' | '.join(HEAD_QUANTS)} (default: 16-bit)",
+        help=f"quantize lm_head online for the cpu target: {' | '.join(HEAD_QUANTS)} (default: int8 for a "
+        "checkpoint with 4-bit layers converted for cpu, else as stored; none keeps it)",
     ),
 ]
 
 
 ActsOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
-        "--int8-activations",
+        "--int8-activations/--no-int8-activations",
         help="cpu target: 4-bit (and channelwise 8-bit) layers multiply int8-quantized activations with "
-        "integer dot products (cpu_w4a8 / cpu_w8a8; faster decode, slightly different numerics)",
+        "integer dot products (cpu_w4a8 / cpu_w8a8; faster decode, slightly different numerics). "
+        "Default: the 4-bit layers of a cpu conversion do; --no-int8-activations keeps 16-bit ones",
+        show_default=False,
     ),
 ]
 
@@ -115,7 +118,7 @@ def _spec(
     tp: int,
     ep: int | None,
     head: str | None,
-    int8_activations: bool = False,
+    int8_activations: bool | None = None,
 ) -> ConversionSpec:
     """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
     from services.convert.library import parse_targets
@@ -141,7 +144,7 @@ def plan_cmd(
     as_json: JsonOpt = False,
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
-    int8_activations: ActsOpt = False,
+    int8_activations: ActsOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
     from services.convert.library import plan_targets
@@ -180,7 +183,7 @@ def convert_cmd(
     as_json: JsonOpt = False,
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
-    int8_activations: ActsOpt = False,
+    int8_activations: ActsOpt = None,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from rich.progress import (

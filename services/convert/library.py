@@ -60,8 +60,8 @@ class ConversionRequest:
     out: str = ""  # empty: ServiceSettings.resolved_store_url
     disabled_kernels: tuple[str, ...] = field(default_factory=tuple)
     expert_parallel: bool = False
-    quantize_head: HeadQuant | None = None
-    int8_activations: bool = False
+    quantize_head: HeadQuant | None = None  # None: the target's default (services/convert/cpu_defaults.py)
+    int8_activations: bool | None = None  # None: the target's default
 
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
@@ -126,7 +126,7 @@ def plan(
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     quantize_head: HeadQuant | None = None,
-    int8_activations: bool = False,
+    int8_activations: bool | None = None,
     settings: ServiceSettings | None = None,
 ) -> Plan:
     """The plan of one target (a convenience over `plan_targets`)."""

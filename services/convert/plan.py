@@ -18,8 +18,9 @@ from kernels.cpu_w4a8 import CpuW4A8Kernel
 from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.errors import UnsupportedError
 from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
+from services.convert import cpu_defaults
 from services.convert.checkpoint import Checkpoint
-from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS
+from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS, NO_HEAD_QUANT
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat
 from services.convert.limits import check_pattern_work
@@ -58,8 +59,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     expert_parallel: bool = False
     other_bytes: int = 0  # the other tensors as one rank file stores them
-    quantize_head: str | None = None  # --quantize-head
-    int8_activations: bool = False  # --int8-activations
+    quantize_head: str | None = None  # what lm_head was quantized to (--quantize-head or the default)
+    int8_activation_bits: tuple[int, ...] = ()  # weight bits on int8 activations (cpu_defaults.py)
 
     def rank_bytes(self) -> list[int]:
         """Tensor bytes of each rank file, from the kernels' declared layouts (optional tensors, such as
@@ -86,8 +87,8 @@ class Plan:
             options["expert_parallel"] = True
         if self.quantize_head:
             options["quantize_head"] = self.quantize_head
-        if self.int8_activations:
-            options["int8_activations"] = True
+        if (acts := cpu_defaults.options_entry(self.int8_activation_bits)) is not None:
+            options["int8_activations"] = acts
         return options
 
     def layout_versions(self) -> dict[str, int]:
@@ -146,21 +147,21 @@ def build_plan(
     disabled_kernels: tuple[str, ...] = (),
     expert_parallel: bool = False,
     quantize_head: str | None = None,
-    int8_activations: bool = False,
+    int8_activations: bool | None = None,
 ) -> Plan:
+    """`quantize_head` / `int8_activations` None: the target's default (services/convert/cpu_defaults.py)."""
     _check_options(ckpt, fmt, tp, method, fp8_scheme)
     model = ModelConfig.from_hf(ckpt.config)
     act_dtype = act_dtype_for(model, target)
     has_lm_head = any(ckpt.has(f"lm_head.{s}") for s in ("weight", "qweight", "weight_packed"))
     _check_head_quant(quantize_head, target, model, has_lm_head)
-    if int8_activations and target is not Target.CPU:
-        raise UnsupportedError(
-            f"--int8-activations is for the cpu target (its cpu_w4a8 kernel); {target.value} keeps the "
-            "checkpoint's activations: convert GPU targets without it"
-        )
+    four_bit = target is Target.CPU and cpu_defaults.has_4bit_layers(fmt, model)
+    head_16 = four_bit and cpu_defaults.head_is_16_bit(ckpt, fmt, model, has_lm_head)
+    head = cpu_defaults.head_quant(quantize_head, target, head_16)
+    acts = cpu_defaults.int8_activation_bits(int8_activations, target, four_bit)
     ctx = PlanContext(
         ckpt, fmt, target, model, tp, method, fp8_scheme, act_dtype, disabled_kernels, expert_parallel,
-        has_lm_head, quantize_head, int8_activations,
+        has_lm_head, head, acts,
     )  # fmt: skip
     check_pattern_work(fmt.name, fmt.pattern_count, sum(kind.module_count(ctx) for kind in UNIT_KINDS))
     units = [unit for kind in UNIT_KINDS for unit in kind.plan(ctx)]
@@ -182,45 +183,48 @@ def build_plan(
         )
     if tp > 1:
         notes.append("embeddings, norms and lm_head are replicated on every rank (vocabulary not sharded)")
-    if model.tie_word_embeddings and not has_lm_head and not quantize_head:
+    if model.tie_word_embeddings and not has_lm_head and not head:
         notes.append(f"tied embeddings: lm_head reuses {EMBEDDING_TENSOR}")
-    if quantize_head:
+    if head:
         tied = f" from the tied {EMBEDDING_TENSOR} (kept 16-bit for the lookup)" if not has_lm_head else ""
-        notes.append(f"--quantize-head {quantize_head}: lm_head quantized online{tied}")
-    if int8_activations:
-        notes.append(_int8_activations_note(units))
+        why = f"--quantize-head {head}" if quantize_head else f"cpu default for a 4-bit checkpoint: {head}"
+        notes.append(f"{why}: lm_head quantized online{tied} (--quantize-head none keeps it)")
+    if acts:
+        notes.append(_int8_activations_note(units, requested=int8_activations is not None))
     return Plan(
         source=ckpt.uri, format=fmt.name, quantization=fmt.quantization, target=target, tp=tp,
         method=method, fp8_scheme=fp8_scheme, act_dtype=act_dtype, model=model, units=units,
         other_tensors=others, notes=notes, expert_parallel=expert_parallel,
-        other_bytes=other_tensor_bytes(ckpt, others, act_dtype), quantize_head=quantize_head,
-        int8_activations=int8_activations,
+        other_bytes=other_tensor_bytes(ckpt, others, act_dtype), quantize_head=head,
+        int8_activation_bits=acts,
     )  # fmt: skip
 
 
 EMBEDDING_TENSOR = f"{EMBEDDING_MODULE}.weight"
 
 
-def _int8_activations_note(units: list[PlanUnit]) -> str:
+def _int8_activations_note(units: list[PlanUnit], *, requested: bool) -> str:
+    why = "--int8-activations" if requested else "cpu default for a 4-bit checkpoint"
     w4a8 = sum(1 for u in units if u.kernel.name == CpuW4A8Kernel.name)
     w8a8 = sum(1 for u in units if u.kernel.name == CpuW8A8Kernel.name)
     if not w4a8 + w8a8:
         return (
-            "--int8-activations: no layer is a 4-bit integer one without act-order or a symmetric "
+            f"{why}: no layer is a 4-bit integer one without act-order or a symmetric "
             "channelwise 8-bit one; nothing changes"
         )
     parts = [f"{w4a8} 4-bit layer(s) per token and weight group (cpu_w4a8)"] if w4a8 else []
     parts += [f"{w8a8} 8-bit layer(s) per token (cpu_w8a8)"] if w8a8 else []
+    keep = "" if requested else " (--no-int8-activations keeps 16-bit activations)"
     return (
-        f"--int8-activations: int8 activations times integer weights with integer dot products in "
-        f"{' and '.join(parts)}: faster decode, slightly different numerics"
+        f"{why}: int8 activations times integer weights with integer dot products in "
+        f"{' and '.join(parts)}: faster decode, slightly different numerics{keep}"
     )
 
 
 def _check_head_quant(
     quantize_head: str | None, target: Target, model: ModelConfig, has_lm_head: bool
 ) -> None:
-    if quantize_head is None:
+    if quantize_head is None or quantize_head == NO_HEAD_QUANT:
         return
     if quantize_head not in HEAD_QUANTS:
         raise UnsupportedError(

@@ -64,25 +64,25 @@ class ConversionOptions(BaseModel):
         default=None,
         description="Quantize lm_head (a tied one from the embedding) online for the `cpu` target: "
         "`int8` is symmetric channelwise: half the bytes of a 16-bit head, which is about half of what a "
-        "decode step reads for SmolLM2-sized models",
+        "decode step reads for SmolLM2-sized models; `none` keeps it as stored. Unset: `int8` for a "
+        "checkpoint with 4-bit layers converted for `cpu`, else as stored",
     )
-    int8_activations: bool = Field(
-        default=False,
+    int8_activations: bool | None = Field(
+        default=None,
         description="The `cpu` target's 4-bit layers multiply int8 activations (quantized per token and "
         "weight group) with integer dot products (kernel cpu_w4a8, `kiln convert --int8-activations`), "
         "symmetric channelwise 8-bit ones per token (cpu_w8a8): a faster decode for a small perplexity "
-        "cost",
+        "cost; false keeps 16-bit activations. Unset: the 4-bit layers of a `cpu` conversion take them",
     )
 
     @model_serializer(mode="wrap")
     def _without_unset_options(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Job rows and request digests of conversions without --quantize-head / --int8-activations
-        stay as they were."""
+        """Job rows and request digests of conversions that leave --quantize-head / --int8-activations
+        to the target's default stay as they were."""
         data: dict[str, Any] = handler(self)
-        if data.get("quantize_head") is None:
-            data.pop("quantize_head", None)
-        if not data.get("int8_activations"):
-            data.pop("int8_activations", None)
+        for name in ("quantize_head", "int8_activations"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 

@@ -22,6 +22,7 @@ from services.convert.library import (
     VerificationError,
     convert,
 )
+from services.convert.verify import INT8_ONLINE_REL_BOUND
 from services.storage.local import LocalStore
 
 # Reassembled artifacts vs the writer's true weights (max |diff| / max |w|): kernels that keep the
@@ -78,7 +79,9 @@ def _check_reassembly(
         pieces = [torch.split(w, sizes) for w in per_rank]
         full = torch.cat([torch.cat([p[i] for p in pieces]) for i in range(len(sizes))])
     ref = torch.cat([truth[s] for s in shards])
-    bound = REASSEMBLY_REL_BOUND.get(kernel_name, 0.0)
+    # the int8 head of a 4-bit checkpoint's cpu defaults is quantized online: the converter's own bound
+    online_head = name == "lm_head" and kernel_name == "cpu_int8"
+    bound = INT8_ONLINE_REL_BOUND if online_head else REASSEMBLY_REL_BOUND.get(kernel_name, 0.0)
     err = float((full - ref).abs().max() / ref.abs().max())
     assert err <= bound, (
         f"{name} ({kernel_name}): reassembled weight differs from the source: {err} > {bound}"

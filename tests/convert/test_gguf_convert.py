@@ -84,7 +84,7 @@ def test_float_minimum_types_run_on_cpu_int4(tmp_path: Path) -> None:
     bf16, as for every checkpoint); Marlin takes integer zero points only (GPUs: gptq_wna16, below)."""
     types = {"self_attn": Q.Q4_1, "mlp.down_proj": Q.Q4_K, "mlp": Q.Q4_1, "lm_head": Q.Q4_1}
     path, reference = _tiny(tmp_path, types)
-    rows = {r.layer: r for r in plan(str(path), "cpu").rows}
+    rows = {r.layer: r for r in plan(str(path), "cpu", int8_activations=False).rows}
     assert rows["model.layers.0.self_attn.qkv_proj"].scheme == "GGUF Q4_1 → int4 g32 float-min"
     assert rows["model.layers.0.mlp.down_proj"].scheme == "GGUF Q4_K → int4 g32 float-min"
     assert {r.kernel for r in rows.values() if r.layer != "lm_head"} == {"cpu_int4"}
@@ -94,7 +94,7 @@ def test_float_minimum_types_run_on_cpu_int4(tmp_path: Path) -> None:
     assert ("marlin_wna16", "marlin_wna16 takes integer zero points only") in [
         (k, reason.split(";")[0]) for k, reason in qkv.rejections
     ]
-    [r] = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "out")))
+    [r] = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "out"), int8_activations=False))
     assert r.manifest.verification.ok and r.manifest.verification.layers_checked == 9
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
@@ -116,7 +116,8 @@ def test_5_and_6_bit_types_run_dense_on_cpu_and_fp8_anywhere(tmp_path: Path) -> 
     p = plan(str(path), "sm90", method="fp8")
     assert p.rows[0].scheme == "GGUF Q5_0 → fp8 tensor (online)"
     assert any("re-quantized to FP8 online" in n for n in p.notes)
-    results = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "a")))
+    weight_only = {"quantize_head": "none", "int8_activations": False}  # its Q4_0 layers: cpu_int4
+    results = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "a"), **weight_only))  # type: ignore[arg-type]
     results += convert(ConversionRequest(str(path), ["cpu"], method="fp8", out=str(tmp_path / "b")))
     assert all(r.manifest.verification.ok for r in results)
     assert results[0].manifest.verification.layers_exact == 9
@@ -138,19 +139,30 @@ def test_a_gguf_is_found_by_file_or_directory(tmp_path: Path) -> None:
     assert plan(str(tmp_path / "second.gguf"), "cpu").format == "gguf"
 
 
-@pytest.mark.parametrize(("method", "head"), [("auto", None), ("fp8", None), ("auto", "int8")])
-def test_smollm2_q4_1_gguf_answers_the_question(tmp_path: Path, method: str, head: str | None) -> None:
-    """As it is (Q4_1 on cpu_int4, its Q8_0 tied embedding dequantized to bf16), re-quantized, and
-    with --quantize-head int8 (the head 8-bit as llama.cpp's: channelwise from the dequantized
-    embedding)."""
+@pytest.mark.parametrize(
+    ("method", "head", "acts"),
+    [("auto", "none", False), ("fp8", None, None), ("auto", "int8", False), ("auto", None, None)],
+    ids=["weight-only", "fp8", "int8-head", "cpu-defaults"],
+)
+def test_smollm2_q4_1_gguf_answers_the_question(
+    tmp_path: Path, method: str, head: str | None, acts: bool | None
+) -> None:
+    """As it is (Q4_1 on cpu_int4, its Q8_0 tied embedding dequantized to bf16), re-quantized, with
+    --quantize-head int8 (the head 8-bit as llama.cpp's: channelwise from the dequantized embedding),
+    and with the cpu defaults (that head, and int8 activations into the Q4_1 layers: cpu_w4a8)."""
     try:
         gguf = smollm2.gguf_file()
     except smollm2.CheckpointUnavailable as e:
         pytest.skip(str(e))
-    request = ConversionRequest(str(gguf), ["cpu"], method=method, out=str(tmp_path), quantize_head=head)  # type: ignore[arg-type]
+    request = ConversionRequest(
+        str(gguf), ["cpu"], method=method, out=str(tmp_path), quantize_head=head, int8_activations=acts,  # type: ignore[arg-type]
+    )  # fmt: skip
     [r] = convert(request)
     assert r.manifest.verification.ok
-    assert ("lm_head" in r.manifest.layers) == (head is not None)
+    quantized_head = head == "int8" or (head is None and method == "auto")
+    assert ("lm_head" in r.manifest.layers) == quantized_head
+    kernels = {e.kernel for e in r.manifest.layers.values()}
+    assert ("cpu_w4a8" in kernels) == (acts is None and method == "auto")
     assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in r.manifest.files}
     loaded = load_model(r.uri)
     tok = loaded.tokenizer

@@ -19,17 +19,17 @@ EXPECTED: dict[str, dict[str, str]] = {
     "gptq-w4-v1-sym": {
         "sm80": "marlin_wna16",
         "sm90": "marlin_wna16",
-        "cpu": "cpu_int4",
+        "cpu": "cpu_w4a8",
         "sm75": "gptq_wna16",
     },
-    "gptq-w4-v2-asym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
-    "gptq-w4-v1-asym": {"sm80": "marlin_wna16", "cpu": "cpu_int4"},
+    "gptq-w4-v2-asym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_w4a8"},
+    "gptq-w4-v1-asym": {"sm80": "marlin_wna16", "cpu": "cpu_w4a8"},
     "gptq-w4-actorder": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
     "gptq-w8-sym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16"},
-    "gptq-w4-mislabeled-v2": {"sm80": "marlin_wna16", "cpu": "cpu_int4"},
-    "awq-gemm": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4", "sm75": "gptq_wna16"},
-    "ct-w4a16-sym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
-    "ct-w4a16-asym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
+    "gptq-w4-mislabeled-v2": {"sm80": "marlin_wna16", "cpu": "cpu_w4a8"},
+    "awq-gemm": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_w4a8", "sm75": "gptq_wna16"},
+    "ct-w4a16-sym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_w4a8"},
+    "ct-w4a16-asym": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_w4a8"},
     "ct-w4a16-actorder": {"sm80": "marlin_wna16", "sm90": "marlin_wna16", "cpu": "cpu_int4"},
     "ct-w8a16": {"sm80": "marlin_wna16", "sm90": "marlin_wna16"},
     "ct-fp8-channel": {"sm80": "fp8_marlin", "sm90": "fp8_w8a8", "cpu": "cpu_fp8"},
@@ -37,6 +37,10 @@ EXPECTED: dict[str, dict[str, str]] = {
     "fp8-tensor": {"sm80": "fp8_marlin", "sm90": "fp8_w8a8", "cpu": "cpu_fp8"},
     "bf16": {"sm80": "dense", "sm90": "dense", "cpu": "dense"},
 }
+
+# A 4-bit checkpoint's cpu conversion takes int8 activations (cpu_w4a8, but for act-order layers) and an
+# int8 head by default (services/convert/cpu_defaults.py); every other lm_head stays dense.
+CPU_4BIT_HEAD = "cpu_int8"
 
 # cpu_int4 refuses act-order on a row-parallel split (a rank would hold partial groups): those
 # layers (o_proj, down_proj) fall to the dense fp32 path at tp 2.
@@ -58,7 +62,9 @@ def test_plan_picks_expected_kernels(ckpt: Callable[[str], Path], name: str, tp:
                 want = row_kernel if pl.layout.row_parallel else kernel
                 assert pl.kernel.name == want, (target, pl.name, pl.rejected)
         lm = [r for r in p.rows if r.layer == "lm_head"]
-        assert [r.kernel for r in lm] == ["dense"] and lm[0].scheme == "dense"
+        four_bit_cpu = target == "cpu" and kernel in ("cpu_w4a8", "cpu_int4")
+        assert [r.kernel for r in lm] == [CPU_4BIT_HEAD if four_bit_cpu else "dense"]
+        assert (lm[0].scheme == "dense") != four_bit_cpu
         assert not any(r.fallback for r in p.rows)
         assert "model.embed_tokens.weight" in p.other_tensors
         assert len(p.units[0].specs) == tp

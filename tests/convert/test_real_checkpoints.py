@@ -51,9 +51,12 @@ CASES: dict[str, tuple[str, str, str, dict[str, str], dict[str, str]]] = {
         _everywhere("cpu_fp8"),
         FP8_SM80,
     ),
-    "gptq-w4a16": ("smollm2_gptq", "auto", "compressed-tensors", _everywhere("cpu_int4"), INT4_SM80),
-    "awq-gemm": ("smollm2_awq_packed", "auto", "awq", _everywhere("cpu_int4"), INT4_SM80),
+    # a 4-bit checkpoint's cpu defaults: int8 activations (cpu_w4a8) and the int8 head (cpu_int8)
+    "gptq-w4a16": ("smollm2_gptq", "auto", "compressed-tensors", _everywhere("cpu_w4a8"), INT4_SM80),
+    "awq-gemm": ("smollm2_awq_packed", "auto", "awq", _everywhere("cpu_w4a8"), INT4_SM80),
 }
+HEAD = "lm_head"
+HEAD_DEFAULT_KERNEL = "cpu_int8"  # the quantized head the cpu defaults add to a 4-bit checkpoint
 
 
 def _params() -> list:
@@ -81,10 +84,18 @@ def test_real_checkpoint_converts_and_verifies(
     assert manifest.artifact_id == artifact.name
 
     expected_layers = {f"model.layers.{i}.{s}" for i in range(NUM_LAYERS) for s in RUNTIME_LINEARS}
-    assert set(manifest.layers) == expected_layers  # tied lm_head stays the embedding
-    assert len(manifest.layers) == NUM_LAYERS * FUSED_LINEARS_PER_LAYER
+    head = target == "cpu" and cpu_kernels == _everywhere("cpu_w4a8")
+    # the tied lm_head stays the embedding, but for the int8 head of a 4-bit checkpoint on cpu
+    assert set(manifest.layers) == expected_layers | ({HEAD} if head else set())
+    assert len(manifest.layers) == NUM_LAYERS * FUSED_LINEARS_PER_LAYER + head
+    if head:
+        assert manifest.layers[HEAD].kernel == HEAD_DEFAULT_KERNEL
+        assert manifest.options == {"quantize_head": "int8", "int8_activations": "4-bit"}
+        expected_layers.add(HEAD)
     expected = cpu_kernels if target == "cpu" else sm80_kernels
     for name, entry in manifest.layers.items():
+        if name == HEAD:
+            continue
         linear = name.split(".", 3)[3]  # model.layers.{i}.<linear>
         assert entry.kernel == expected[linear], f"{name}: {entry.kernel}, rejected: {entry.rejected}"
         assert entry.fallback == (entry.kernel in FALLBACK_KERNELS), name

@@ -24,6 +24,7 @@ from tests.helpers.greedy import judge_greedy_tokens
 from tests.helpers.perplexity import fixed_text_perplexities
 
 W4A8_PPL_REL_TOL = 0.01  # int8 activations per weight group of 64
+DEFAULTS_PPL_COST = 0.005  # the cpu defaults (int8 activations and head) against weight-only
 # Int8 activation codes turn ulp-level differences (summation order, the step, the machine) into
 # whole code steps: a 1-ulp change of half of layer 0's norm weights moved the w4a8 artifact's top
 # logits by up to 0.75 (the weight-only artifact's by < 0.001; AVX2 EPYC, fp32, 2026-12-07).
@@ -89,6 +90,26 @@ def test_the_w4a8_artifact_answers_paris(
     print(f"\n{tok.decode(answer)!r} under int8 activations ({decode_step}): {judged.summary(len(answer))}")
 
 
+def test_the_cpu_defaults_are_w4a8_layers_and_the_int8_head_within_half_a_percent_of_perplexity(
+    smollm2_artifact_cpu_gptq_default: Path, smollm2_artifact_cpu_int4_gptq: Path
+) -> None:
+    """A 4-bit checkpoint converted for cpu with no options (services/convert/cpu_defaults.py): every
+    layer on cpu_w4a8, the tied head int8, at most DEFAULTS_PPL_COST dearer in perplexity than the
+    weight-only artifact with its 16-bit head (measured +0.40 % fp32 / −0.43 % bf16, 2026-12-07)."""
+    manifest = Manifest.parse((smollm2_artifact_cpu_gptq_default / "manifest.json").read_text())
+    assert manifest.options == {"quantize_head": "int8", "int8_activations": "4-bit"}
+    head = manifest.layers.pop("lm_head")
+    assert head.kernel == "cpu_int8" and {e.kernel for e in manifest.layers.values()} == {"cpu_w4a8"}
+    ppl = fixed_text_perplexities(
+        {"weight-only": smollm2_artifact_cpu_int4_gptq, "defaults": smollm2_artifact_cpu_gptq_default}
+    )
+    change = ppl["defaults"] / ppl["weight-only"] - 1
+    print(
+        f"\nperplexity weight-only {ppl['weight-only']:.4f}, defaults {ppl['defaults']:.4f} ({change:+.3%})"
+    )
+    assert change <= DEFAULTS_PPL_COST, ppl
+
+
 @pytest.mark.parametrize("target", ["sm80", "sm90"])
 def test_a_gpu_target_refuses_int8_activations_by_name(smollm2_gptq: Path, target: str) -> None:
     with pytest.raises(UnsupportedError, match=f"--int8-activations is for the cpu target.*{target}"):
@@ -96,7 +117,7 @@ def test_a_gpu_target_refuses_int8_activations_by_name(smollm2_gptq: Path, targe
 
 
 def test_the_plan_says_which_layers_take_int8_activations(smollm2_gptq: Path) -> None:
-    p = plan(str(smollm2_gptq), "cpu", int8_activations=True)
+    p = plan(str(smollm2_gptq), "cpu", int8_activations=True, quantize_head="none")
     assert {r.kernel for r in p.rows} == {"cpu_w4a8"}
     assert all("int8 activations" in r.scheme for r in p.rows)
     assert any(f"{len(p.rows)} 4-bit layer(s) per token and weight group" in n for n in p.notes)

@@ -27,10 +27,11 @@ QKV = "model.layers.0.self_attn.qkv_proj"
 
 @pytest.fixture(scope="module")
 def int4_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GPTQ int4 g64 checkpoint converted for cpu (cpu_int4 layers)."""
+    """A GPTQ int4 g64 checkpoint converted for cpu weight-only (cpu_int4 layers)."""
     work = tmp_path_factory.mktemp("int4")
     src = write_checkpoint(work / "src", "gptq", dims=INT4_DIMS, group_size=64)
-    result = convert(ConversionRequest(str(src), ["cpu"], out=str(work / "out")))[0]
+    request = ConversionRequest(str(src), ["cpu"], out=str(work / "out"), int8_activations=False)
+    result = convert(request)[0]
     return Path(result.uri)
 
 

@@ -112,6 +112,17 @@ def _native_apply(layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+INT8_ACT_QMAX = 32767.0  # decode_step.c's I8_QMAX: an INT8 layer's input, per token to int16
+
+
+def _int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the step multiplies an INT8 layer's input: rint(x · QMAX / amax) · (amax / QMAX) per token."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, INT8_ACT_QMAX) / amax  # a true fp32 division (scalar / tensor is not)
+    q = torch.round(x * inv)  # half to even, as lrintf
+    return torch.where(amax > 0, q * (amax / INT8_ACT_QMAX), torch.zeros_like(x))
+
+
 def _reference(
     kernel: object, tensors: dict[str, torch.Tensor], spec: LinearSpec, x: torch.Tensor
 ) -> torch.Tensor:
@@ -187,8 +198,9 @@ def test_w8a8_rows_are_the_kernels_bit_for_bit(isa: str, n: int, k: int) -> None
 
 @pytest.mark.parametrize("n,k", [(576, 1536), (100, 40)])
 def test_int8_and_dense_rows_match_the_weight(isa: str, n: int, k: int) -> None:
-    """cpu_int8 and dense (fp32, bf16 and fp16 weights), including row and K tails the vector bodies
-    leave to the scalar loop."""
+    """cpu_int8 (its activations quantized per token to int16, integer sums) and dense (fp32, bf16 and
+    fp16 weights), including row and K tails the vector bodies leave to the scalar loop, and batches
+    past the last whole token tile."""
     gen = torch.Generator().manual_seed(5)
     w8 = int_weight(n, k, bits=8, group_size=-1, seed=6)
     spec8 = int_spec(w8)
@@ -211,7 +223,7 @@ def test_int8_and_dense_rows_match_the_weight(isa: str, n: int, k: int) -> None:
             want = (
                 x @ tensors["weight"].float().T + bias
                 if kernel is dense
-                else _reference(kernel, tensors, spec, x)
+                else _reference(kernel, tensors, spec, _int16_activations(x))
             )
             got = _native_apply(layer, x)
             assert rel_err(got, want) < NATIVE_GEMM_REL_ERR, (kernel.name, m, rel_err(got, want))
@@ -225,8 +237,8 @@ def _gguf_artifact(
 ) -> LoadedModel:
     """A tiny Llama in GGUF Q4_0 / Q4_1 (cpu_int4, symmetric and with float minimums) loaded with
     `act` activations (forced: the dtype this CPU would pick is the other machine kind's test too);
-    `head`: --quantize-head (cpu_int8), else the tied F16 embedding; `int8_activations`:
-    --int8-activations (cpu_w4a8 for the 4-bit layers)."""
+    `head`: --quantize-head (cpu_int8), else the tied F16 embedding (--quantize-head none);
+    `int8_activations`: --[no-]int8-activations (cpu_w4a8 for the 4-bit layers)."""
     model = tiny_hf_model(
         "llama", seed=2, vocab_size=VOCAB_SIZE, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
@@ -234,7 +246,7 @@ def _gguf_artifact(
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, model, GGUF_TYPES)
     request = ConversionRequest(
-        str(path), ["cpu"], out=str(tmp_path / "out"), quantize_head=head,  # type: ignore[arg-type]
+        str(path), ["cpu"], out=str(tmp_path / "out"), quantize_head=head or "none",  # type: ignore[arg-type]
         int8_activations=int8_activations,
     )  # fmt: skip
     [result] = convert(request)

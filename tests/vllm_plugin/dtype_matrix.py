@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devtools.builders import moe, smollm2
+from tests.fixtures.checkpoints import WEIGHT_ONLY
 
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 METHODS = ("dense", "fp8-online", "gptq", "awq", "w8a8", "moe-gptq", "moe-fp8")
@@ -66,7 +67,8 @@ def source_checkpoint(method: str, dtype: str) -> Path:
 
 
 def artifact(method: str, dtype: str) -> Path:
-    """The CPU artifact of a matrix cell (converted once per cache)."""
+    """The CPU artifact of a matrix cell (converted once per cache), with vLLM's 16-bit head and
+    activations: what the plugin serves."""
     return smollm2.build_artifact(
-        source_checkpoint(method, dtype), "cpu", method=METHOD_SPECS[method].convert_method
+        source_checkpoint(method, dtype), "cpu", method=METHOD_SPECS[method].convert_method, **WEIGHT_ONLY
     )

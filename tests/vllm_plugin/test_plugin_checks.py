@@ -20,8 +20,10 @@ from services.convert.library import ConversionRequest, convert
 
 
 def _convert(tmp_path: Path, fmt: str, target: str, tp: int = 1, **kw: object) -> Path:
+    """The checkpoint converted for vLLM: its 16-bit head kept (what the plugin serves)."""
     src = write_checkpoint(tmp_path / f"src-{fmt}", fmt, **kw)  # type: ignore[arg-type]
-    return Path(convert(ConversionRequest(str(src), [target], tp=tp, out=str(tmp_path / "out")))[0].uri)
+    request = ConversionRequest(str(src), [target], tp=tp, out=str(tmp_path / "out"), quantize_head="none")
+    return Path(convert(request)[0].uri)
 
 
 def test_config_json_names_kilns_quantization_and_the_manifest_keeps_the_source(tmp_path: Path) -> None:
@@ -50,6 +52,15 @@ def test_a_tp_mismatch_is_refused_naming_the_flag(tmp_path: Path) -> None:
     artifact = _convert(tmp_path, "dense", "cpu", tp=2)
     with pytest.raises(LoadError, match=r"--tensor-parallel-size 2, or convert with --tp 1"):
         open_artifact(artifact, device="cpu", rank=0, world_size=1, verify=False)
+
+
+def test_the_int8_head_of_the_cpu_defaults_is_refused_naming_the_option(tmp_path: Path) -> None:
+    """A 4-bit checkpoint's default cpu conversion quantizes lm_head, which vLLM's lm_head cannot take."""
+    src = write_checkpoint(tmp_path / "src", "gptq")
+    [result] = convert(ConversionRequest(str(src), ["cpu"], out=str(tmp_path / "out")))
+    assert result.manifest.layers["lm_head"].kernel == "cpu_int8"
+    with pytest.raises(PluginError, match=r"lm_head is stored for kernel cpu_int8.*--quantize-head none"):
+        open_artifact(result.uri, device="cpu", rank=0, world_size=1, verify=False)
 
 
 def test_a_moe_artifact_opens_with_every_expert_group_checked(tmp_path: Path) -> None:

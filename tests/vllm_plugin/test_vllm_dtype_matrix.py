@@ -29,6 +29,7 @@ import torch
 from devtools.builders.synthetic import write_checkpoint
 from devtools.builders.tiny_artifacts import BOS_ID
 from services.convert.library import ConversionRequest, convert
+from tests.fixtures.checkpoints import WEIGHT_ONLY
 from tests.vllm_plugin.dtype_matrix import (
     METHOD_SPECS,
     METHODS,
@@ -215,7 +216,7 @@ def qwen2_moe_paths(scheme: str) -> tuple[Path, Path]:
     source = moe.build_qwen2_moe()
     if scheme != "bf16":
         source = moe.build_quantized(source, scheme)
-    return source, smollm2.build_artifact(source, "cpu")
+    return source, smollm2.build_artifact(source, "cpu", **WEIGHT_ONLY)
 
 
 # DeepSeek-V3 (MLA, grouped sigmoid routing with the correction bias, a shared expert): vLLM's CPU MLA

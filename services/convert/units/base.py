@@ -66,12 +66,12 @@ class PlanContext:
     disabled: tuple[str, ...]
     expert_parallel: bool
     has_lm_head: bool
-    quantize_head: str | None = None  # --quantize-head
-    int8_activations: bool = False  # --int8-activations: 4-bit layers take int8 activations
+    quantize_head: str | None = None  # what lm_head is quantized to (--quantize-head or the cpu default)
+    int8_activation_bits: tuple[int, ...] = ()  # layers of these weight bits take int8 activations
 
     @property
     def tied_head(self) -> bool:
-        """lm_head is planned as a layer of its own from the tied embedding (--quantize-head)."""
+        """lm_head is planned as a layer of its own from the tied embedding (a quantized head)."""
         return self.quantize_head is not None and not self.has_lm_head
 
     @property

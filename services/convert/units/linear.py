@@ -33,6 +33,7 @@ from kernels.errors import LayoutError, UnsupportedError
 from kernels.registry import choose_kernel
 from runtime.artifact.manifest import LayerEntry, LayerVerification, Rejection
 from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank_shape, shard_rows
+from services.convert.cpu_defaults import head_not_16_bit
 from services.convert.errors import VerificationError
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
 from services.convert.heap import release_freed_heap
@@ -202,7 +203,7 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     keep = online is None or (layout.full_precision and not head) or quant.scheme != "dense"
     target_quant = quant if keep else online
     assert target_quant is not None
-    if ctx.int8_activations and head is None and takes_int8_activations(target_quant):
+    if head is None and takes_int8_activations(target_quant, ctx.int8_activation_bits):
         target_quant = dataclasses.replace(target_quant, int8_activations=True)
     sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
     has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
@@ -222,25 +223,24 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     )  # fmt: skip
 
 
-def takes_int8_activations(quant: LayerQuant) -> bool:
-    """Whether --int8-activations moves a checkpoint layer of `quant` onto int8 activations: 4-bit
-    integer layers (cpu_w4a8; act-order ones stay on cpu_int4: no permuted cpu_w4a8 layout) and
-    symmetric channelwise 8-bit ones (cpu_w8a8, per-token activations). --quantize-head's head is not
-    one: per-token int8 activations into SmolLM2's head cost +0.97 % perplexity (for a 19 % faster
-    batch-1 step), against +0.12 % for the int8 head on 16-bit activations."""
-    if quant.scheme != "int" or quant.act_order:
+def takes_int8_activations(quant: LayerQuant, bits: tuple[int, ...]) -> bool:
+    """Whether a checkpoint layer of `quant` moves onto int8 activations when layers of these weight
+    bits take them (services/convert/cpu_defaults.py): 4-bit integer layers (cpu_w4a8; act-order
+    ones stay on cpu_int4: no permuted cpu_w4a8 layout) and symmetric channelwise 8-bit ones
+    (cpu_w8a8, per-token activations). The quantized head is not one: per-token int8 activations
+    into SmolLM2's head cost +0.97 % perplexity (for a 19 % faster batch-1 step), against +0.12 %
+    for the int8 head on 16-bit activations."""
+    if quant.scheme != "int" or quant.act_order or quant.bits not in bits:
         return False
-    return quant.bits == 4 or (quant.bits == 8 and quant.symmetric and quant.group_size in (-1, 0))
+    return quant.bits == 4 or (quant.symmetric and quant.group_size in (-1, 0))
 
 
 def _head_source_quant(ctx: PlanContext, layout: LinearLayout) -> LayerQuant:
     """The source quantization of the head --quantize-head quantizes: it must be 16- or 32-bit."""
     (shard,) = layout.shards
-    stored = ctx.fmt.layer_quant(shard.module, layout) if ctx.has_lm_head else DENSE
     name = f"{shard.module}.weight"
-    info = ctx.ckpt.tensors.get(name)
-    if stored.scheme != "dense" or info is None or info.dtype not in ("BF16", "F16", "F32"):
-        what = stored.describe() if stored.scheme != "dense" else (info.dtype if info else "missing")
+    what = head_not_16_bit(ctx.ckpt, ctx.fmt, layout, ctx.has_lm_head)
+    if what is not None:
         raise UnsupportedError(
             f"--quantize-head needs lm_head (or the tied embedding {name}) stored 16- or 32-bit; this "
             f"checkpoint's is {what}: convert without --quantize-head"
