@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a CUDA machine (≈ 8 min; each part has a timeout):
-#   1. every Triton kernel compiled for this GPU against its torch twin (pytest -m gpu);
+#   1. every Triton kernel compiled for this GPU against its torch twin, and the decode step captured
+#      in CUDA graphs against the eager one (pytest -m gpu);
 #   2. the runtime end to end on the GPU: the artifacts `python bench/gpu_serve.py prepare` built on a
 #      CPU machine (.cache/gpu-cells: dense, GPTQ, FP8, W8A8, NVFP4, MXFP4, MoE) loaded on cuda, their
 #      logits (prefill, batched and single decode, FP8 KV cache) against transformers in fp32
 #      (bench/gpu_serve.py check; bench/results/gpu_serve.json);
-#   3. each kernel timed against cuBLAS bf16 (bench/gpu_check.py; bench/results/gpu_check.json);
-#   4. the vLLM path when a CUDA vLLM 0.32 is importable ($VLLM_PYTHON, default: $PY): vLLM on a
-#      synthetic ≥ 1 GB GPTQ checkpoint vs `--load-format kiln` on its artifact (bench/vllm_load.py).
+#   3. the decode kernels timed against cuBLAS bf16, with the goals and the host cost per layer call
+#      (bench/gpu_check.py; bench/results/gpu_check.json);
+#   4. tile_wna16's launch-config sweep (bench/results/gpu_sweep.json; winners as table entries);
+#   5. a 1 B Llama end to end: GPTQ int4 in Kiln's layout vs bf16 through the engine's CUDA graphs,
+#      and bf16 against torch.compile (bench/gpu_decode.py; bench/results/gpu_decode.json);
+#   6. with $VLLM_PYTHON naming a CUDA vLLM 0.32: vLLM on a synthetic ≥ 1 GB GPTQ checkpoint vs
+#      `--load-format kiln` on its artifact (bench/vllm_load.py).
 # Needs: python3 with a CUDA build of torch and triton 3.x. Wheels the runtime needs beyond those
 # (pydantic, pydantic-settings, starlette) are installed from .whl/ when present and not importable.
 # Results are copied to $OUT when it is set.
@@ -42,30 +47,41 @@ if ! "$PY" -c 'import pydantic_settings, starlette' 2>/dev/null && ls .whl/*.whl
 fi
 
 status=0
-echo "== 1. kernels on CUDA against their twins (pytest -m gpu)"
-timeout 170 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gpu_kernels_cuda.py || status=1
+# Parts and their time limits (≈ 8 min in all, machine start aside): a part over its limit is cut
+# and counted as a failure; the rest still run.
+echo "== 1. kernels on CUDA against their twins; the captured decode step (pytest -m gpu)"
+timeout 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gpu_kernels_cuda.py \
+  tests/runtime/test_cuda_graph_decode.py || status=1
 
 echo "== 2. artifacts served by the runtime on CUDA vs transformers fp32 (bench/gpu_serve.py)"
 if [ -d .cache/gpu-cells ]; then
-  timeout 150 "$PY" bench/gpu_serve.py check || status=1
+  timeout 80 "$PY" bench/gpu_serve.py check || status=1
 else
   echo "no .cache/gpu-cells: run \`python bench/gpu_serve.py prepare\` on a CPU machine and carry it"
 fi
 
-echo "== 3. timing vs torch bf16 (cuBLAS)"
-timeout 220 "$PY" bench/gpu_check.py || status=1
+echo "== 3. timing vs torch bf16 (cuBLAS): W4A16 tile / marlin, FP8 W8A8, FP4; host cost per call"
+timeout 130 "$PY" bench/gpu_check.py --skip-moe --only "tile W4A16 g128" "marlin W4A16 g128" \
+  "fp8_w8a8 channel (triton)" "marlin_fp4" || status=1
 
-VPY="${VLLM_PYTHON:-$PY}"
-if "$VPY" -c 'import vllm' 2>/dev/null; then
+echo "== 4. launch-config sweep of tile_wna16 (winners printed as kernels/launch_table.py entries)"
+timeout 60 "$PY" bench/gpu_check.py --sweep --sweep-kernels tile_wna16 || status=1
+
+echo "== 5. end to end: a 1 B Llama, GPTQ int4 (--gpu-layout kiln) vs bf16, kiln serve's engine"
+timeout 120 "$PY" bench/gpu_decode.py --layers 16 --tokens 64 --rounds 1 --marlin || status=1
+
+VPY="${VLLM_PYTHON:-}"
+if [ -n "$VPY" ] && "$VPY" -c 'import vllm' 2>/dev/null; then
   "$VPY" -c 'import runtime.vllm_plugin' 2>/dev/null || "$VPY" -m pip install -q --no-deps -e .
-  echo "== 4. vLLM: GPTQ checkpoint vs its Kiln artifact (--load-format kiln), eager"
+  echo "== 6. vLLM: GPTQ checkpoint vs its Kiln artifact (--load-format kiln), eager"
   timeout 300 "$PY" bench/vllm_load.py --vllm-python "$(command -v "$VPY")" --target auto --modes eager \
     --skip-smollm2 --big-gb 1.0 || status=1
 else
-  echo "== 4. vLLM not importable by $VPY: vLLM path skipped (set VLLM_PYTHON)"
+  echo "== 6. vLLM path skipped (set VLLM_PYTHON to a CUDA vLLM 0.32 to run it: +5 min)"
 fi
 
 if [ -n "${OUT:-}" ]; then
-  cp bench/results/gpu_check.json bench/results/gpu_serve.json "$OUT"/ 2>/dev/null
+  cp bench/results/gpu_check.json bench/results/gpu_serve.json bench/results/gpu_sweep.json \
+    bench/results/gpu_decode.json "$OUT"/ 2>/dev/null
 fi
 exit $status

@@ -72,6 +72,7 @@ class GpuCell:
     scheme: str | None
     method: str = "auto"
     targets: tuple[str, ...] = ("sm90",)
+    gpu_layout: str | None = None  # `kiln convert --gpu-layout` of the GPU artifacts
 
     def checkpoint(self) -> Path:
         """The source built (once per cache) and, with a scheme, quantized by llm-compressor."""
@@ -98,6 +99,9 @@ CELLS = (
     GpuCell("qwen3-moe-fp8-dynamic", "qwen3-moe-marlin", "fp8-dynamic", targets=("sm90", "sm80")),
     GpuCell("qwen3-moe-fp8-block", "qwen3-moe-marlin", "fp8-block"),
     GpuCell("mixtral-gptq-w4a16", "mixtral", "gptq-w4a16"),
+    # Kiln's own layout (tile_wna16) for the dense layers; the experts stay on the fused Marlin kernel
+    GpuCell("llama-gptq-w4a16-kiln", "llama", "gptq-w4a16", targets=("sm90", "sm80"), gpu_layout="kiln"),
+    GpuCell("qwen3-moe-gptq-w4a16-kiln", "qwen3-moe-marlin", "gptq-w4a16", gpu_layout="kiln"),
     GpuCell("qwen2-moe-gptq-w4a16", "qwen2-moe", "gptq-w4a16"),  # shared expert (never run on a GPU)
     GpuCell("llama-w8a8-int8", "llama", "w8a8-int8"),
     GpuCell("llama-nvfp4a16", "llama", "nvfp4-a16"),
@@ -150,7 +154,10 @@ def prepare(out: Path, only: list[str] | None) -> int:
         artifacts = {}
         for target in (*cell.targets, "cpu"):
             where = (cpu_dir if target == "cpu" else cell_dir) / target
-            request = ConversionRequest(str(checkpoint), [target], method=cell.method, out=str(where))  # type: ignore[arg-type]
+            request = ConversionRequest(
+                str(checkpoint), [target], method=cell.method, out=str(where),  # type: ignore[arg-type]
+                gpu_layout=cell.gpu_layout,  # type: ignore[arg-type]
+            )  # fmt: skip
             (result,) = convert(request)
             assert result.manifest.verification.ok, (cell.name, target)
             artifacts[target] = os.path.relpath(where / result.manifest.artifact_id, cell_dir)

@@ -413,6 +413,9 @@ class LinearKernel(ABC):
     # True when the stored "weight" is the weight itself (dequantize is `tensors["weight"].float()`):
     # the converter then verifies the stored tensor directly.
     stores_plain_weight: ClassVar[bool] = False
+    # A layout only Kiln's kernels read (vLLM has no kernel for its bytes): chosen only for a conversion
+    # that asks for Kiln's GPU layouts (`kiln convert --gpu-layout kiln`), ahead of the vLLM-identical ones.
+    kiln_layout: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     def bf16_op_rows(self) -> int:

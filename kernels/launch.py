@@ -39,7 +39,7 @@ def default_config(m: int, n: int, k: int, device: torch.device, *, kind: TileKi
         return interpreter_config(m)
     cfg = cuda_block_config(m, kind)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split_k = 1
     while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * cfg.block_k and split_k < 16:
         split_k *= 2
@@ -97,5 +97,5 @@ def launch_options(x: torch.Tensor, cfg: GemmConfig) -> dict[str, int]:
 
 
 @cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

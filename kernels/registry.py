@@ -45,6 +45,7 @@ S = TypeVar("S", LinearSpec, MoESpec)
 KERNELS: tuple[str, ...] = (
     "kernels.fp8_w8a8:Fp8W8A8Kernel",
     "kernels.int8_w8a8:Int8W8A8Kernel",
+    "kernels.tile_wna16:TileWNA16Kernel",
     "kernels.marlin_wna16:MarlinWNA16Kernel",
     "kernels.marlin_fp4:MarlinFp4Kernel",
     "kernels.gptq_wna16:GptqWNA16Kernel",
@@ -132,11 +133,14 @@ def _friendly_moe(spec: MoESpec) -> MoESpec:
     return dataclasses.replace(spec, w13=w13, w2=w2)
 
 
-def choose_moe_kernel(spec: MoESpec, target: Target, disabled: Iterable[str] = ()) -> KernelChoice[MoEKernel]:
+def choose_moe_kernel(
+    spec: MoESpec, target: Target, disabled: Iterable[str] = (), *, kiln_layouts: bool = False
+) -> KernelChoice[MoEKernel]:
     """First expert-group kernel for `target` that takes `spec`, with every rejection recorded (a
-    disabled linear kernel disables the expert kernels built on it)."""
+    disabled linear kernel disables the expert kernels built on it; Kiln-only layouts count only
+    with `kiln_layouts`)."""
     order = [MOE_KERNELS[name] for name in MOE_PRIORITY[target]]
-    return _choose(order, spec, _friendly_moe(spec), target, set(disabled))
+    return _choose(order, spec, _friendly_moe(spec), target, set(disabled), kiln_layouts)
 
 
 @cache
@@ -177,14 +181,26 @@ def _friendly_linear(spec: LinearSpec) -> LinearSpec:
 
 
 def choose_kernel(
-    spec: LinearSpec, target: Target, disabled: Iterable[str] = ()
+    spec: LinearSpec, target: Target, disabled: Iterable[str] = (), *, kiln_layouts: bool = False
 ) -> KernelChoice[LinearKernel]:
-    """First kernel in the target's priority list that can implement `spec`, with every rejection."""
-    return _choose(candidates(target), spec, _friendly_linear(spec), target, set(disabled))
+    """First kernel in the target's priority list that can implement `spec`, with every rejection;
+    kernels of Kiln-only layouts (`LinearKernel.kiln_layout`) count only with `kiln_layouts`."""
+    return _choose(candidates(target), spec, _friendly_linear(spec), target, set(disabled), kiln_layouts)
+
+
+def is_kiln_layout(kernel: LinearKernel | MoEKernel) -> bool:
+    """The kernel (or the linear kernel an expert-group kernel stacks) reads a Kiln-only layout."""
+    inner = getattr(kernel, "inner", kernel)
+    return bool(getattr(inner, "kiln_layout", False))
 
 
 def _first_fit(
-    order: Sequence[K], spec: S, target: Target, disabled: set[str], fits: Callable[[K, S], tuple[bool, str]]
+    order: Sequence[K],
+    spec: S,
+    target: Target,
+    disabled: set[str],
+    kiln_layouts: bool,
+    fits: Callable[[K, S], tuple[bool, str]],
 ) -> tuple[int, list[tuple[str, str]]]:
     """Index in `order` of the first kernel that takes `spec` (-1: none), and the rejections before it."""
     rejected: list[tuple[str, str]] = []
@@ -192,6 +208,8 @@ def _first_fit(
         if kernel.name in disabled or getattr(kernel, "based_on", None) in disabled:
             rejected.append((kernel.name, "disabled by KILN_DISABLED_KERNELS"))
             continue
+        if not kiln_layouts and is_kiln_layout(kernel):
+            continue  # not asked for: no rejection recorded (artifacts stay as they were)
         ok, reason = fits(kernel, spec)
         if ok:
             return i, rejected
@@ -199,12 +217,14 @@ def _first_fit(
     return -1, rejected
 
 
-def _choose(order: Sequence[K], spec: S, friendly: S, target: Target, disabled: set[str]) -> KernelChoice[K]:
+def _choose(
+    order: Sequence[K], spec: S, friendly: S, target: Target, disabled: set[str], kiln_layouts: bool
+) -> KernelChoice[K]:
     def fits(kernel: K, s: S) -> tuple[bool, str]:
         return kernel.can_implement(s, target)  # type: ignore[arg-type]
 
-    chosen, rejected = _first_fit(order, spec, target, disabled, fits)
+    chosen, rejected = _first_fit(order, spec, target, disabled, kiln_layouts, fits)
     if chosen < 0:
         raise NoKernelError(spec.name, target.value, rejected)
-    preferred, _ = _first_fit(order, friendly, target, disabled, fits)
+    preferred, _ = _first_fit(order, friendly, target, disabled, kiln_layouts, fits)
     return KernelChoice(order[chosen], rejected, shape_fallback=0 <= preferred < chosen)

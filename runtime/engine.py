@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from runtime.cuda_graph_decode import captured_decoder
 from runtime.kv_cache import CALIBRATION_TEXT, KVCache
 from runtime.loader import LoadedModel
 from runtime.model_layout import kv_cache_geometry
@@ -216,9 +217,13 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.model.setup(loaded.dtype, self.max_model_len, loaded.device)
         geometry = kv_cache_geometry(cfg, loaded.world_size)
+        # CUDA graphs pad a step to its batch bucket with rows that write one scratch slot
+        fast_step = settings.decode_step == "native"
+        device_type = torch.device(loaded.device).type
+        graphs = fast_step and device_type == "cuda"
         self.cache = KVCache(
             num_layers=cfg.num_layers,
-            num_slots=max_num_seqs,
+            num_slots=max_num_seqs + (graphs and loaded.world_size == 1),
             max_len=self.max_model_len,
             num_kv_heads=geometry.heads,
             head_dim=geometry.width,
@@ -229,7 +234,7 @@ class Engine:
         )
         self.decode = self.model.decode
         self._decode_torch_threads = torch.get_num_threads()
-        if settings.decode_step == "native":
+        if fast_step and device_type == "cpu":
             native = native_decoder(
                 self.model, self.cache, threads=torch.get_num_threads(), spin_us=settings.decode_spin_us
             )
@@ -238,6 +243,15 @@ class Engine:
                 # the step's own threads compute; torch's ops around it (sampling) take one, so that
                 # torch's OpenMP threads do not spin on the cores the step's threads run on
                 self._decode_torch_threads = 1
+        if graphs:
+            if self.cache.fp8:  # scales first: the graphs capture them as constants
+                self._calibrate_kv_scales()
+            captured = captured_decoder(
+                self.model, self.cache, max_batch=max_num_seqs, max_len=self.max_model_len,
+                scratch_slot=max_num_seqs, world_size=loaded.world_size,
+            )  # fmt: skip
+            if captured is not None:
+                self.decode = captured.decode
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._inbox: deque[_Sequence] = deque()
@@ -247,7 +261,7 @@ class Engine:
         self._running: dict[str, _Sequence] = {}
         self._free_slots = list(range(max_num_seqs))
         self._pending_outputs: list[RequestOutput] = []
-        if self.cache.fp8:
+        if self.cache.fp8 and not graphs:
             self._calibrate_kv_scales()
 
     # --- public API ---------------------------------------------------------------------------

@@ -460,6 +460,30 @@ class LlamaForCausalLM(nn.Module):
         slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + b))
         read_slots: slice | torch.Tensor = slice(slots[0], slots[0] + b) if contiguous else slot_t
+        return self._decode_rows(tokens, slot_t, pos, read_slots, read_len, cache)
+
+    def decode_static(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        read_len: int,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """`decode` at shapes fixed by the caller, every per-step value in a device tensor (what a
+        CUDA graph captures): tokens / slots / positions (B,) long, keys read up to `read_len` >= every
+        position + 1 (the rest masked). Logits (B, V)."""
+        return self._decode_rows(tokens, slots, positions, slots, read_len, cache)
+
+    def _decode_rows(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        read_slots: slice | torch.Tensor,
+        read_len: int,
+        cache: KVCache,
+    ) -> torch.Tensor:
         mask = (torch.arange(read_len, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         ctx = ForwardContext(
             cache=cache,
@@ -467,7 +491,7 @@ class LlamaForCausalLM(nn.Module):
             sin=self.sin[pos][:, None, None],
             act_dtype=self.dtype,
             attn_dtype=self.residual_dtype,
-            slots=slot_t,
+            slots=slots,
             positions=pos,
             read_slots=read_slots,
             read_len=read_len,

@@ -47,7 +47,8 @@ class RuntimeSettings(BaseSettings):
     # kernel prefers it, else fp32 (runtime/loader.py compute_dtype); the others force one (bf16 on
     # a CPU without native bf16 is emulated: slower, but the same numbers as a bf16 machine's)
     cpu_act_dtype: CpuActDtype = "auto"
-    # the decode step: "native" (runtime/native_decode.py; models it does not cover decode eagerly)
+    # the decode step: "native" (the device's fast step: on CPU runtime/native_decode.py, on CUDA the
+    # step captured in CUDA graphs, runtime/cuda_graph_decode.py; models neither covers decode eagerly)
     # or "eager" (torch ops from Python: the reference)
     decode_step: Literal["native", "eager"] = "native"
     # native step: how long its threads spin for the next step before they sleep

@@ -12,4 +12,9 @@ HeadQuant = Literal["int8", "none"]  # --quantize-head: lm_head quantized online
 METHODS: tuple[str, ...] = get_args(Method)
 FP8_SCHEMES: tuple[str, ...] = get_args(Fp8Scheme)
 HEAD_QUANTS: tuple[str, ...] = get_args(HeadQuant)
+# --gpu-layout: GPU layers in the layouts vLLM's kernels read as they are (Marlin: served by kiln serve
+# and by vLLM's plugin), or in Kiln's own layouts where one takes the layer (kiln serve's fastest)
+GpuLayout = Literal["marlin", "kiln"]
+GPU_LAYOUTS: tuple[str, ...] = get_args(GpuLayout)
+KILN_GPU_LAYOUT = "kiln"
 NO_HEAD_QUANT = "none"  # --quantize-head none: lm_head stays in the checkpoint's precision

@@ -15,7 +15,7 @@ from rich.console import Console
 from kernels.errors import KilnError
 from kernels.targets import TARGET_NAMES
 from runtime.cli_output import err, print_error
-from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS
+from services.convert.choices import FP8_SCHEMES, GPU_LAYOUTS, HEAD_QUANTS, METHODS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -46,6 +46,17 @@ HeadOpt = Annotated[
         "--quantize-head",
         help=f"quantize lm_head online for the cpu target: {' | '.join(HEAD_QUANTS)} (default: int8 for a "
         "checkpoint with 4-bit layers converted for cpu, else as stored; none keeps it)",
+    ),
+]
+
+
+GpuLayoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-layout",
+        help=f"GPU targets: {' | '.join(GPU_LAYOUTS)}. marlin (default) stores the layouts vLLM's kernels "
+        "read as they are (kiln serve and vLLM's plugin serve them); kiln stores Kiln's own layouts where "
+        "one takes the layer (kiln serve's decode kernels)",
     ),
 ]
 
@@ -119,6 +130,7 @@ def _spec(
     ep: int | None,
     head: str | None,
     int8_activations: bool | None = None,
+    gpu_layout: str | None = None,
 ) -> ConversionSpec:
     """The command line's conversion, in the request's one shape (a KilnError naming a bad value)."""
     from services.convert.library import parse_targets
@@ -130,6 +142,7 @@ def _spec(
         "expert_parallel": expert_parallel,
         "quantize_head": head,
         "int8_activations": int8_activations,
+        "gpu_layout": gpu_layout,
     }
     targets = parse_targets(target)
     return conversion_spec(source=source, targets=targets, method=method, tp=ranks, options=options)
@@ -145,12 +158,13 @@ def plan_cmd(
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
     int8_activations: ActsOpt = None,
+    gpu_layout: GpuLayoutOpt = None,
 ) -> None:
     """Show which kernel every layer gets for a target (and why others were rejected), without converting."""
     from services.convert.library import plan_targets
 
     try:
-        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations)
+        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations, gpu_layout)
         plans = plan_targets(spec)
     except KilnError as e:
         _fail(e)
@@ -184,6 +198,7 @@ def convert_cmd(
     ep: EpOpt = None,
     quantize_head: HeadOpt = None,
     int8_activations: ActsOpt = None,
+    gpu_layout: GpuLayoutOpt = None,
 ) -> None:
     """Convert a checkpoint into one verified, kernel-ready artifact per target."""
     from rich.progress import (
@@ -202,7 +217,7 @@ def convert_cmd(
 
     settings = get_settings()
     try:
-        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations)
+        spec = _spec(source, target, method, fp8_scheme, tp, ep, quantize_head, int8_activations, gpu_layout)
         req = ConversionRequest.from_spec(spec, out=out_url or settings.resolved_store_url)
     except KilnError as e:
         _fail(e)

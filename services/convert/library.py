@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kernels.base import Target
 from services.convert.checkpoint import Checkpoint, gguf_in, open_checkpoint
-from services.convert.choices import Fp8Scheme, HeadQuant, Method
+from services.convert.choices import Fp8Scheme, GpuLayout, HeadQuant, Method
 from services.convert.detect import detect_format
 from services.convert.errors import Cancelled, ConversionError, NotACheckpointError, VerificationError
 from services.convert.formats.base import CheckpointFormat
@@ -62,6 +62,7 @@ class ConversionRequest:
     expert_parallel: bool = False
     quantize_head: HeadQuant | None = None  # None: the target's default (services/convert/cpu_defaults.py)
     int8_activations: bool | None = None  # None: the target's default
+    gpu_layout: GpuLayout | None = None  # None: marlin
 
     def __post_init__(self) -> None:
         self.targets = parse_targets(self.targets)
@@ -73,6 +74,7 @@ class ConversionRequest:
             "expert_parallel": self.expert_parallel,
             "quantize_head": self.quantize_head,
             "int8_activations": self.int8_activations,
+            "gpu_layout": self.gpu_layout,
         }
         return conversion_spec(
             source=self.source, targets=self.targets, method=self.method, tp=self.tp, options=options
@@ -84,7 +86,7 @@ class ConversionRequest:
         o = spec.options
         return cls(
             spec.source, list(spec.targets), spec.method, spec.tp, o.fp8_scheme, out,
-            tuple(o.disabled_kernels), o.expert_parallel, o.quantize_head, o.int8_activations,
+            tuple(o.disabled_kernels), o.expert_parallel, o.quantize_head, o.int8_activations, o.gpu_layout,
         )  # fmt: skip
 
 
@@ -127,6 +129,7 @@ def plan(
     expert_parallel: bool = False,
     quantize_head: HeadQuant | None = None,
     int8_activations: bool | None = None,
+    gpu_layout: GpuLayout | None = None,
     settings: ServiceSettings | None = None,
 ) -> Plan:
     """The plan of one target (a convenience over `plan_targets`)."""
@@ -135,6 +138,7 @@ def plan(
         "disabled_kernels": list(disabled_kernels),
         "quantize_head": quantize_head,
         "int8_activations": int8_activations,
+        "gpu_layout": gpu_layout,
     }
     spec = conversion_spec(
         source=source,
@@ -170,6 +174,7 @@ def _build_plan(
         expert_parallel=o.expert_parallel,
         quantize_head=o.quantize_head,
         int8_activations=o.int8_activations,
+        gpu_layout=o.gpu_layout,
     )
 
 

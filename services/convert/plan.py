@@ -17,10 +17,18 @@ from kernels.base import Target
 from kernels.cpu_w4a8 import CpuW4A8Kernel
 from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.errors import UnsupportedError
+from kernels.registry import is_kiln_layout
 from runtime.model_layout import EMBEDDING_MODULE, ModelConfig
 from services.convert import cpu_defaults
 from services.convert.checkpoint import Checkpoint
-from services.convert.choices import FP8_SCHEMES, HEAD_QUANTS, METHODS, NO_HEAD_QUANT
+from services.convert.choices import (
+    FP8_SCHEMES,
+    GPU_LAYOUTS,
+    HEAD_QUANTS,
+    KILN_GPU_LAYOUT,
+    METHODS,
+    NO_HEAD_QUANT,
+)
 from services.convert.errors import ConversionError
 from services.convert.formats.base import DENSE, CheckpointFormat
 from services.convert.limits import check_pattern_work
@@ -61,6 +69,7 @@ class Plan:
     other_bytes: int = 0  # the other tensors as one rank file stores them
     quantize_head: str | None = None  # what lm_head was quantized to (--quantize-head or the default)
     int8_activation_bits: tuple[int, ...] = ()  # weight bits on int8 activations (cpu_defaults.py)
+    kiln_layouts: bool = False  # --gpu-layout kiln on a GPU target
 
     def rank_bytes(self) -> list[int]:
         """Tensor bytes of each rank file, from the kernels' declared layouts (optional tensors, such as
@@ -89,6 +98,8 @@ class Plan:
             options["quantize_head"] = self.quantize_head
         if (acts := cpu_defaults.options_entry(self.int8_activation_bits)) is not None:
             options["int8_activations"] = acts
+        if self.kiln_layouts:
+            options["gpu_layout"] = KILN_GPU_LAYOUT
         return options
 
     def layout_versions(self) -> dict[str, int]:
@@ -148,6 +159,7 @@ def build_plan(
     expert_parallel: bool = False,
     quantize_head: str | None = None,
     int8_activations: bool | None = None,
+    gpu_layout: str | None = None,
 ) -> Plan:
     """`quantize_head` / `int8_activations` None: the target's default (services/convert/cpu_defaults.py)."""
     _check_options(ckpt, fmt, tp, method, fp8_scheme)
@@ -159,9 +171,12 @@ def build_plan(
     head_16 = four_bit and cpu_defaults.head_is_16_bit(ckpt, fmt, model, has_lm_head)
     head = cpu_defaults.head_quant(quantize_head, target, head_16)
     acts = cpu_defaults.int8_activation_bits(int8_activations, target, four_bit)
+    if gpu_layout is not None and gpu_layout not in GPU_LAYOUTS:
+        raise ConversionError(f"--gpu-layout {gpu_layout!r} is not supported; use {', '.join(GPU_LAYOUTS)}")
+    kiln_layouts = target.is_gpu and gpu_layout == KILN_GPU_LAYOUT
     ctx = PlanContext(
         ckpt, fmt, target, model, tp, method, fp8_scheme, act_dtype, disabled_kernels, expert_parallel,
-        has_lm_head, head, acts,
+        has_lm_head, head, acts, kiln_layouts,
     )  # fmt: skip
     check_pattern_work(fmt.name, fmt.pattern_count, sum(kind.module_count(ctx) for kind in UNIT_KINDS))
     units = [unit for kind in UNIT_KINDS for unit in kind.plan(ctx)]
@@ -191,16 +206,29 @@ def build_plan(
         notes.append(f"{why}: lm_head quantized online{tied} (--quantize-head none keeps it)")
     if acts:
         notes.append(_int8_activations_note(units, requested=int8_activations is not None))
+    if kiln_layouts:
+        notes.append(_kiln_layouts_note(units))
     return Plan(
         source=ckpt.uri, format=fmt.name, quantization=fmt.quantization, target=target, tp=tp,
         method=method, fp8_scheme=fp8_scheme, act_dtype=act_dtype, model=model, units=units,
         other_tensors=others, notes=notes, expert_parallel=expert_parallel,
         other_bytes=other_tensor_bytes(ckpt, others, act_dtype), quantize_head=head,
-        int8_activation_bits=acts,
+        int8_activation_bits=acts, kiln_layouts=kiln_layouts,
     )  # fmt: skip
 
 
 EMBEDDING_TENSOR = f"{EMBEDDING_MODULE}.weight"
+
+
+def _kiln_layouts_note(units: list[PlanUnit]) -> str:
+    kiln = [u for u in units if is_kiln_layout(u.kernel)]
+    names = sorted({u.kernel.name for u in kiln})
+    taken = f"{len(kiln)} unit(s) in {', '.join(names)}" if kiln else "no unit takes one"
+    return (
+        f"--gpu-layout kiln: Kiln's own GPU layouts where one takes the layer ({taken}); kiln serve's "
+        "decode kernels read them, vLLM's plugin runs them with Kiln's Triton kernels (--gpu-layout "
+        "marlin keeps vLLM's Marlin bytes)"
+    )
 
 
 def _int8_activations_note(units: list[PlanUnit], *, requested: bool) -> str:

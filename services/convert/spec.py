@@ -23,7 +23,7 @@ from pydantic import (
 
 from kernels.errors import UnsupportedError
 from kernels.targets import Target
-from services.convert.choices import Fp8Scheme, HeadQuant, Method
+from services.convert.choices import Fp8Scheme, GpuLayout, HeadQuant, Method
 
 MAX_TARGETS = 6
 MAX_TP = 64
@@ -75,12 +75,20 @@ class ConversionOptions(BaseModel):
         "cost; false keeps 16-bit activations. Unset: the 4-bit layers of a `cpu` conversion take them",
     )
 
+    gpu_layout: GpuLayout | None = Field(
+        default=None,
+        description="GPU targets: `marlin` stores the layouts vLLM's kernels read as they are (kiln serve "
+        "and vLLM's plugin both serve them); `kiln` stores Kiln's own layouts where one takes the layer "
+        "(tile_wna16 for int weight-only layers: kiln serve's decode kernels; vLLM's plugin runs them "
+        "with Kiln's Triton kernels). Unset: marlin",
+    )
+
     @model_serializer(mode="wrap")
     def _without_unset_options(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """Job rows and request digests of conversions that leave --quantize-head / --int8-activations
         to the target's default stay as they were."""
         data: dict[str, Any] = handler(self)
-        for name in ("quantize_head", "int8_activations"):
+        for name in ("quantize_head", "int8_activations", "gpu_layout"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data

@@ -153,6 +153,13 @@ GPTQ_CASES = [
     IntCase(64, 320, 4, 40, symmetric=False, float_min=True),  # per-element scale and minimum gather
     IntCase(128, 256, 4, 64, symmetric=False, act_order=True, float_min=True),
 ]
+TILE_CASES = [
+    IntCase(128, 256, 4, 64),
+    IntCase(96, 384, 4, 32, symmetric=False),  # N not a multiple of the N tile
+    IntCase(192, 384, 8, -1),
+    IntCase(64, 256, 2, 128, symmetric=False),
+    IntCase(100, 384, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K
+]
 MARLIN_CASES = [
     IntCase(128, 256, 4, 64),
     IntCase(192, 384, 4, 128, symmetric=False, act_order=True),
@@ -187,6 +194,7 @@ def gemm_params() -> list[Any]:
     params = []
     for name, cases in (
         ("gptq_wna16", GPTQ_CASES),
+        ("tile_wna16", TILE_CASES),
         ("marlin_wna16", MARLIN_CASES),
         ("fp8_w8a8", FP8_W8A8_CASES),
         ("int8_w8a8", INT8_W8A8_CASES),
@@ -275,6 +283,7 @@ def test_split_k_and_batched_input() -> None:
     from kernels.gptq_wna16 import gptq_wna16_gemm
     from kernels.int8_w8a8 import quantize_per_token as int8_quantize
     from kernels.marlin_wna16 import marlin_wna16_gemm
+    from kernels.tile_wna16 import tile_wna16_gemm
 
     def int8_gemm(x: torch.Tensor, tensors: dict, spec: LinearSpec, cfg: Any) -> torch.Tensor:
         return fp8_w8a8.token_scaled_gemm(x, int8_quantize, tensors, spec, cfg, kernel="int8_w8a8")
@@ -284,6 +293,7 @@ def test_split_k_and_batched_input() -> None:
     for name, case, fn in (
         ("gptq_wna16", GPTQ_CASES[1], gptq_wna16_gemm),
         ("marlin_wna16", MARLIN_CASES[1], marlin_wna16_gemm),
+        ("tile_wna16", TILE_CASES[1], tile_wna16_gemm),
         ("fp8_w8a8", FP8_W8A8_CASES[0], fp8_w8a8_gemm),
         ("int8_w8a8", INT8_W8A8_CASES[1], int8_gemm),
         ("fp8_marlin", FP8_MARLIN_CASES[2], fp8_marlin_gemm),
@@ -293,6 +303,55 @@ def test_split_k_and_batched_input() -> None:
         y = fn(x, tensors, spec, cfg)
         assert y.shape == (2, 3, spec.n)
         assert rel_err(y, k.reference(x, tensors, spec)) < GEMM_REL_TOL[dtype], name
+
+
+@pytest.mark.parametrize("case", [TILE_CASES[0], TILE_CASES[1], TILE_CASES[4]], ids=str)
+def test_tile_gemv_program_and_k_splits(case: IntCase) -> None:
+    """tile_wna16's GEMV program (BLOCK_M 1, one row per program, multiply and reduce) and its
+    tensor-core tiles, with and without K splits, against the twin; the bound layer as the runtime
+    calls it (the GEMV program at M = 1)."""
+    from kernels.tile_wna16 import tile_wna16_gemm
+
+    dtype = torch.bfloat16
+    k, tensors, spec, _ = prepared("tile_wna16", case, dtype)
+    gen = torch.Generator().manual_seed(3)
+    for cfg, m in (
+        (launch.GemmConfig(1, 32, 64, split_k=1), 1),
+        (launch.GemmConfig(1, 64, 32, split_k=4), 3),
+        (launch.GemmConfig(16, 32, 32, split_k=2), 5),
+    ):
+        x = torch.randn(m, spec.k, generator=gen).to(dtype)
+        err = rel_err(tile_wna16_gemm(x, tensors, spec, cfg), k.reference(x, tensors, spec))
+        assert err < GEMM_REL_TOL[dtype], (cfg, err)
+    x = torch.randn(1, spec.k, generator=gen).to(dtype)
+    assert rel_err(k.bind_apply(tensors, spec)(x), k.reference(x, tensors, spec)) < GEMM_REL_TOL[dtype]
+
+
+def test_tile_stored_tensors_are_rows_packed_along_k() -> None:
+    """qweight (N, K // pf): row n's codes in standard packing along K; zero points unpacked uint8."""
+    from kernels.codecs.bitpack import pack_cols
+
+    case = TILE_CASES[1]  # 4-bit asymmetric g32
+    k, tensors, spec, w = prepared("tile_wna16", case, torch.float16)
+    assert tensors["qweight"].shape == (case.n, case.k // 8) and tensors["qweight"].dtype == torch.int32
+    assert torch.equal(tensors["qweight"], pack_cols(w.codes, 4))
+    row, col = 5, 37  # code of (n, k) in bits [4 * (k % 8), ...) of word k // 8 of row n
+    word = int(tensors["qweight"][row, col // 8]) & 0xFFFFFFFF
+    assert (word >> (4 * (col % 8))) & 0xF == int(w.codes[row, col])
+    assert w.zeros is not None and torch.equal(tensors["zeros"], w.zeros)
+    assert set(tensors) == set(k.stored_tensors(spec, Target.SM80))
+
+
+def test_tile_refusals() -> None:
+    k = kernel("tile_wna16")
+    ok, reason = k.can_implement(IntCase(128, 256, 4, 64, act_order=True).spec(torch.bfloat16), Target.SM80)
+    assert not ok and "act-order" in reason
+    ok, reason = k.can_implement(IntCase(64, 320, 4, 40).spec(torch.bfloat16), Target.SM80)
+    assert not ok and "group size 40" in reason
+    ok, reason = k.can_implement(IntCase(64, 256, 4, 64).spec(torch.bfloat16), Target.SM75)
+    assert not ok and "float16" in reason
+    ok, reason = k.can_implement(IntCase(64, 256, 3, 64).spec(torch.bfloat16), Target.SM80)
+    assert not ok and "bits" in reason
 
 
 def test_apply_falls_back_to_reference_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,9 +367,12 @@ def test_apply_falls_back_to_reference_without_interpreter(monkeypatch: pytest.M
 # --------------------------------------------------------------------------------------------
 
 
+INT_LAYOUT_CASES = (("gptq_wna16", GPTQ_CASES), ("tile_wna16", TILE_CASES), ("marlin_wna16", MARLIN_CASES))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int_layouts_round_trip_exactly(dtype: torch.dtype) -> None:
-    for name, cases in (("gptq_wna16", GPTQ_CASES), ("marlin_wna16", MARLIN_CASES)):
+    for name, cases in INT_LAYOUT_CASES:
         for case in cases:
             k, tensors, spec, w = prepared(name, case, dtype)
             assert torch.equal(k.dequantize(tensors, spec), w.dequantize()), (name, case)
@@ -320,7 +382,7 @@ def test_int_layouts_round_trip_exactly(dtype: torch.dtype) -> None:
 def test_int_layouts_give_back_the_source_int_weight(dtype: torch.dtype) -> None:
     """`stored_int_weight` (what verification compares code for code) is the source weight: codes
     in source row order, zero points, group of every input channel, scales cast to the act dtype."""
-    for name, cases in (("gptq_wna16", GPTQ_CASES), ("marlin_wna16", MARLIN_CASES)):
+    for name, cases in INT_LAYOUT_CASES:
         for case in cases:
             k, tensors, spec, w = prepared(name, case, dtype)
             got = k.stored_int_weight(tensors, spec)

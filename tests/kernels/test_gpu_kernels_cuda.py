@@ -52,6 +52,13 @@ INT_CASES = {
         IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
         IntCase(768, 2048, 4, 32, symmetric=False, act_order=True, float_min=True),  # gathered minimums
     ],
+    "tile_wna16": [
+        IntCase(1024, 2048, 4, 128),
+        IntCase(1000, 2048, 4, 128, symmetric=False),  # N that no tile divides
+        IntCase(768, 1536, 8, -1),
+        IntCase(512, 2048, 2, 64, symmetric=False),
+        IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
+    ],
     "int8_w8a8": [  # its twin quantizes the activations per token as the kernel does
         IntCase(1024, 2048, 8, -1, int8_activations=True),
         IntCase(1000, 1000, 8, -1, int8_activations=True),  # K not a multiple of the K tile

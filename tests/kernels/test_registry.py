@@ -103,10 +103,35 @@ def test_int8_grouped_rejection_reasons_say_why() -> None:
     assert "fp8" in reasons["cpu_fp8"]
 
 
+def vllm_layouts(target: Target) -> list[str]:
+    """The target's priority list without the Kiln-only layouts (what a default conversion tries)."""
+    return [n for n in registry.PRIORITY[target] if not registry.is_kiln_layout(registry.builtin_kernel(n))]
+
+
 def test_gpu_dense_layer_falls_through_to_dense() -> None:
     choice = registry.choose_kernel(DENSE, Target.SM80)
     assert choice.kernel.name == "dense"
-    assert [name for name, _ in choice.rejected] == list(registry.PRIORITY[Target.SM80][:-1])
+    assert [name for name, _ in choice.rejected] == vllm_layouts(Target.SM80)[:-1]
+    with_kiln = registry.choose_kernel(DENSE, Target.SM80, kiln_layouts=True)
+    assert [name for name, _ in with_kiln.rejected] == list(registry.PRIORITY[Target.SM80][:-1])
+
+
+@pytest.mark.parametrize("target", [Target.SM75, Target.SM80, Target.SM86, Target.SM89, Target.SM90])
+def test_kiln_layouts_are_chosen_only_when_asked_for(target: Target) -> None:
+    """An int4 layer: Marlin bytes by default (sm75: gptq_wna16), tile_wna16 with --gpu-layout kiln and
+    nothing recorded about it otherwise; act-order stays on the vLLM-identical layouts either way."""
+    half = dataclasses.replace(INT4, act_dtype="float16")
+    default = registry.choose_kernel(half, target)
+    assert default.kernel.name == ("gptq_wna16" if target is Target.SM75 else "marlin_wna16")
+    assert "tile_wna16" not in dict(default.rejected)
+    assert registry.choose_kernel(half, target, kiln_layouts=True).kernel.name == "tile_wna16"
+    act_order = dataclasses.replace(half, act_order=True)
+    chosen = registry.choose_kernel(act_order, target, kiln_layouts=True)
+    assert chosen.kernel.name != "tile_wna16" and "act-order" in dict(chosen.rejected)["tile_wna16"]
+    experts = registry.MOE_KERNELS["tile_wna16_experts"]
+    assert registry.is_kiln_layout(experts) and not registry.is_kiln_layout(
+        registry.MOE_KERNELS["marlin_moe_wna16"]
+    )
 
 
 def test_no_kernel_error_lists_every_reason() -> None:
@@ -115,7 +140,7 @@ def test_no_kernel_error_lists_every_reason() -> None:
         registry.choose_kernel(layer, Target.SM75)
     err = info.value
     assert err.layer == layer.name and err.target == "sm75"
-    assert [name for name, _ in err.rejections] == list(registry.PRIORITY[Target.SM75])
+    assert [name for name, _ in err.rejections] == vllm_layouts(Target.SM75)
     assert dict(err.rejections)["dense"] == GPU_QUANTIZED_REASON
     for name, reason in err.rejections:
         assert f"{name}: {reason}" in str(err)
@@ -226,13 +251,22 @@ def test_plugin_reusing_a_builtin_name_is_refused(
 
 # Today's priority rows, written out: the derived lists (KERNELS filtered by each kernel's targets)
 # must equal them exactly.
-_AMPERE = ("int8_w8a8", "marlin_wna16", "marlin_fp4", "gptq_wna16", "fp8_marlin", "fp8_w8a16", "dense")
+_AMPERE = (
+    "int8_w8a8",
+    "tile_wna16",
+    "marlin_wna16",
+    "marlin_fp4",
+    "gptq_wna16",
+    "fp8_marlin",
+    "fp8_w8a16",
+    "dense",
+)
 EXPECTED_PRIORITY = {
     Target.SM90: ("fp8_w8a8", *_AMPERE),
     Target.SM89: ("fp8_w8a8", *_AMPERE),
     Target.SM86: _AMPERE,
     Target.SM80: _AMPERE,
-    Target.SM75: ("gptq_wna16", "fp8_w8a16", "dense"),
+    Target.SM75: ("tile_wna16", "gptq_wna16", "fp8_w8a16", "dense"),
     Target.CPU: ("cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8", "dense"),
 }
 THROWAWAY_KERNEL = """

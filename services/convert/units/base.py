@@ -68,6 +68,7 @@ class PlanContext:
     has_lm_head: bool
     quantize_head: str | None = None  # what lm_head is quantized to (--quantize-head or the cpu default)
     int8_activation_bits: tuple[int, ...] = ()  # layers of these weight bits take int8 activations
+    kiln_layouts: bool = False  # GPU target, --gpu-layout kiln: Kiln-only layouts may be chosen
 
     @property
     def tied_head(self) -> bool:

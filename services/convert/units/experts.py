@@ -275,7 +275,7 @@ def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
         _moe_spec(ctx.model, group, tq, r, ctx.tp, ctx.expert_parallel, ctx.act_dtype, biased)
         for r in range(ctx.tp)
     ]
-    choice = choose_moe_kernel(specs[0], ctx.target, ctx.disabled)
+    choice = choose_moe_kernel(specs[0], ctx.target, ctx.disabled, kiln_layouts=ctx.kiln_layouts)
     specs = [choice.kernel.padded(spec) for spec in specs]
     for spec in specs[1:]:
         ok, reason = choice.kernel.can_implement(spec, ctx.target)

@@ -209,7 +209,7 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
     specs = rank_specs(layout, target_quant, ctx.model, ctx.tp, ctx.act_dtype, has_bias)
     _check_fp8_blocks(layout, specs[0], ctx.tp)
-    choice = choose_kernel(specs[0], ctx.target, ctx.disabled)
+    choice = choose_kernel(specs[0], ctx.target, ctx.disabled, kiln_layouts=ctx.kiln_layouts)
     for spec in specs[1:]:
         ok, reason = choice.kernel.can_implement(spec, ctx.target)
         if not ok:
