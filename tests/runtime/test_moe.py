@@ -285,23 +285,27 @@ def test_prompt_logprobs_match_transformers_and_beat_wrong_routing(
 def _clear_margin_prompt(cell: Cell) -> tuple[list[int], list[int]]:
     """Of the candidate prompts whose greedy continuation under transformers keeps its top-2 logit
     margin at GREEDY_MIN_TOP2_MARGIN or more at every step, the one whose routing is farthest from a
-    near-tie along the continuation: (prompt, continuation)."""
-    best_margin, chosen, chosen_gap = 0.0, None, -1.0
+    near-tie along the continuation: (prompt, continuation). Where no candidate is clear at every step
+    (the quantized checkpoint differs by the machine that built it: one Xeon's qwen2-moe GPTQ cell
+    reached 0.033 at best), the one clear at the most steps, if at least GREEDY_MIN_DECIDED_FRACTION
+    of them (the test judges the others as near-ties)."""
+    best_margin, chosen, chosen_key = 0.0, None, (-1, -1.0)
     for prompt in [*PROMPTS, *(list(range(b, b + 12)) for b in range(0, 250, 10))]:
         out = cell.reference.model.generate(
             torch.tensor([prompt]), max_new_tokens=GREEDY_CONTINUATION, min_new_tokens=GREEDY_CONTINUATION,
             do_sample=False, output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
         top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values  # (steps, 2)
-        margin = (top2[:, 0] - top2[:, 1]).min().item()
-        best_margin = max(best_margin, margin)
-        if margin < GREEDY_MIN_TOP2_MARGIN:
+        margins = top2[:, 0] - top2[:, 1]
+        best_margin = max(best_margin, margins.min().item())
+        clear_steps = int((margins >= GREEDY_MIN_TOP2_MARGIN).sum())
+        if clear_steps < GREEDY_MIN_DECIDED_FRACTION * GREEDY_CONTINUATION or clear_steps < chosen_key[0]:
             continue
         continuation = out.sequences[0, len(prompt) :].tolist()
         _, gaps = cell.reference.logits_and_gaps(prompt + continuation[:-1])
-        gap = gaps[len(prompt) - 1 :].min().item()
-        if gap > chosen_gap:
-            chosen, chosen_gap = (prompt, continuation), gap
+        key = (clear_steps, gaps[len(prompt) - 1 :].min().item())
+        if key > chosen_key:
+            chosen, chosen_key = (prompt, continuation), key
     assert chosen is not None, f"no prompt with a clear greedy path (best margin {best_margin:.3f})"
     return chosen
 
