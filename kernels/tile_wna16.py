@@ -23,7 +23,6 @@ K) are left to marlin_wna16 / gptq_wna16.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -42,7 +41,7 @@ from kernels.codecs.bitpack import pack_cols, unpack_cols
 from kernels.errors import LayoutError
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
-from kernels.launch import GemmConfig, largest_block_dividing
+from kernels.launch import GemmConfig, fit_to_groups
 from kernels.launch_table import tuned_config
 from kernels.targets import GPU_TARGETS
 
@@ -161,10 +160,10 @@ def _operands(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 def _fitted(cfg: GemmConfig, spec: LinearSpec) -> GemmConfig:
     """`cfg` with BLOCK_K dividing the group (each K block inside one group, at least MIN_BLOCK_K)."""
-    block_k = largest_block_dividing(group_of(spec), cfg.block_k)
-    if group_of(spec) % block_k:
+    fitted, per_block = fit_to_groups(cfg, group_of(spec), act_order=False)
+    if not per_block:
         raise LayoutError(f"{spec.name}: no K block of >= {MIN_BLOCK_K} divides group {group_of(spec)}")
-    return replace(cfg, block_k=block_k)
+    return fitted
 
 
 def tile_wna16_gemm(
