@@ -10,7 +10,9 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kiln-installed
 PYTEST_ARGS ?=
-# Two xdist workers, one work unit per test module, waiting modules first (tests/conftest.py); 0: serial.
+# Two xdist workers, one work unit per test module (`--dist loadscope`: a module's fixtures, a vLLM
+# host or a service stack, set up once; xdist 3.8's loadgroup splits modules whatever their marks),
+# in tests/conftest.py's order (waiting modules first: --no-loadscope-reorder); 0: serial.
 TEST_WORKERS ?= 2
 
 # Flakiness, measured: the `timing` tests rerun N times under a CPU hog (RUNS=10), failures per test.
@@ -64,7 +66,7 @@ test: install vllm-venv
 	# Debian's headless Chromium + chromedriver for the console's browser tests (no download at test time).
 	command -v chromedriver >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium unavailable: the console's browser tests will skip"
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadgroup --durations=40 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
 flaky: install
 	bash infra/ensure-services.sh

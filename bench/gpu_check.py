@@ -46,8 +46,8 @@ GOALS = (
     ("tile W4A16 g128", (16,), 2.0),
     ("fp8_w8a8 channel (triton)", (1,), 1.3),
     ("fp8_w8a8 channel (triton)", (256,), 1.6),
-    ("marlin_fp4 nvfp4", (1,), 2.5),
-    ("marlin_fp4 mxfp4", (1,), 2.5),
+    ("tile_fp4 nvfp4", (1,), 2.5),
+    ("tile_fp4 mxfp4", (1,), 2.5),
 )
 HOST_GOAL_MS = 0.03  # host cost of one layer call at M = 1 (Python, launches), eager
 # apply vs twin, relative Frobenius error (bf16 output rounding + weights rounded to bf16 before the dot)
@@ -110,6 +110,8 @@ VARIANTS = (
     Variant("fp8_marlin block 128", "fp8_marlin", "fp8", fp8_strategy="block", block_size=(128, 128)),
     Variant("fp8_w8a16 channel", "fp8_w8a16", "fp8", fp8_strategy="channel"),
     Variant("fp8_w8a16 block 128", "fp8_w8a16", "fp8", fp8_strategy="block", block_size=(128, 128)),
+    Variant("tile_fp4 nvfp4", "tile_fp4", "fp4", fp4_format="nvfp4"),
+    Variant("tile_fp4 mxfp4", "tile_fp4", "fp4", fp4_format="mxfp4"),
     Variant("marlin_fp4 nvfp4", "marlin_fp4", "fp4", fp4_format="nvfp4"),
     Variant("marlin_fp4 mxfp4", "marlin_fp4", "fp4", fp4_format="mxfp4"),
 )
@@ -421,7 +423,14 @@ def run_moe(target: Target, ms_list: Any, failures: list[str], device: str = "cu
 
 
 # --sweep: launch configs of the dequant GEMMs at decode sizes (is a slow kernel its config or its design?)
-SWEEP_KERNELS = ("tile_wna16", "marlin_wna16", "gptq_wna16")
+SWEEP_KERNELS = ("tile_wna16", "tile_fp4", "marlin_wna16", "gptq_wna16")
+# the variant each swept kernel is timed on
+SWEEP_VARIANT = {
+    "tile_wna16": "tile W4A16 g128",
+    "tile_fp4": "tile_fp4 nvfp4",
+    "marlin_wna16": "marlin W4A16 g128",
+    "gptq_wna16": "gptq W4A16 g128",
+}
 SWEEP_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # a square, a wide-K and a wide-N shape
 SWEEP_MS = (1, 16)
 
@@ -439,15 +448,17 @@ def sweep_configs() -> list[Any]:
 
 def run_sweep(kernels: tuple[str, ...] = SWEEP_KERNELS, device: str = "cuda") -> int:
     """Each kernel's default config and every sweep config, timed against cuBLAS bf16 (M = 1, 16);
-    tile_wna16 sweeps kernels/launch_table.py's candidates and prints its winners as table entries."""
+    the kernels of kernels/launch_table.py (tile_wna16, tile_fp4) sweep its candidates and print their
+    winners as table entries."""
     import importlib
 
     from kernels.launch import default_config, sm_count
-    from kernels.launch_table import SWEEP, occupancy_split_k, shape_class, tuned_config
+    from kernels.launch_table import LAUNCH_TABLE, SWEEP, occupancy_split_k, shape_class, tuned_config
 
     gemm = {n: getattr(importlib.import_module(f"kernels.{n}"), f"{n}_gemm") for n in kernels}
     arch = (lambda c: c[0] * 10 + c[1])(torch.cuda.get_device_capability())
-    winners: dict[tuple[int, str], list[tuple[float, Any]]] = {}
+    tabled = {e.kernel for e in LAUNCH_TABLE}
+    winners: dict[tuple[str, int, str], list[tuple[float, Any]]] = {}
     dev = torch.device(device)
     torch.manual_seed(0)
     out = []
@@ -455,7 +466,7 @@ def run_sweep(kernels: tuple[str, ...] = SWEEP_KERNELS, device: str = "cuda") ->
         dense = torch.randn(n, k) * 0.02
         w_bf16 = dense.to(dev, torch.bfloat16)
         for name in kernels:
-            v = next(v for v in VARIANTS if v.kernel == name and v.label.endswith("W4A16 g128"))
+            v = next(v for v in VARIANTS if v.label == SWEEP_VARIANT[name])
             kern, spec = get_kernel(name), v.spec(n, k)
             tensors = {
                 t: x.to(dev) for t, x in kern.prepare(make_weight(v, n, k, dense), spec, Target.SM90).items()
@@ -463,7 +474,7 @@ def run_sweep(kernels: tuple[str, ...] = SWEEP_KERNELS, device: str = "cuda") ->
             for m in SWEEP_MS:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 base = bench(torch.matmul, x, w_bf16.T)
-                if name == "tile_wna16":
+                if name in tabled:
                     default = tuned_config(name, m, n, k, dev)
                     sms = sm_count(dev.index or 0)
                     candidates = [
@@ -486,14 +497,14 @@ def run_sweep(kernels: tuple[str, ...] = SWEEP_KERNELS, device: str = "cuda") ->
                 )
                 out.append({"kernel": name, "N": n, "K": k, "M": m, "bf16_ms": base, "default_ms": d_t,
                             "best_ms": best_t, "best": str(best), "default": str(default)})  # fmt: skip
-                if name == "tile_wna16":
-                    winners.setdefault((m, shape_class(n, k)), []).append((best_t / base, best))
+                if name in tabled:
+                    winners.setdefault((name, m, shape_class(n, k)), []).append((best_t / base, best))
     RESULTS.with_name("gpu_sweep.json").write_text(json.dumps({"arch": arch, "rows": out}, indent=1))
     if winners:
         print(f"# kernels/launch_table.py entries measured on sm{arch} (best per M bucket and shape class):")
-        for (m, shape), found in sorted(winners.items()):
+        for (name, m, shape), found in sorted(winners.items()):
             _, cfg = min(found, key=lambda f: f[0])
-            print(f'    LaunchEntry("tile_wna16", {m}, {cfg!r}, shape="{shape}", arch={arch}),')
+            print(f'    LaunchEntry("{name}", {m}, {cfg!r}, shape="{shape}", arch={arch}),')
     return 0
 
 
@@ -714,6 +725,7 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
                             )
                         )
     out += tile_compile_matrix(quick)
+    out += w8a8_prologue_compile_matrix(act)
     out += moe_compile_matrix(quick)
     quant_sig = {"X": f"*{act}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32"}
     for arch in (89, 90):
@@ -730,7 +742,7 @@ def compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dic
         )
     int8_quant_sig = {
         "X": f"*{act}", "Q": "*i8", "S": "*fp32", "K": "i32",
-        "min_amax": "fp32", "divisor": "fp32", "qmax": "fp32", "magic": "fp32",
+        "min_amax": "fp32", "divisor": "fp32", "qmax": "fp32",
     }  # fmt: skip
     for arch in (80, 90):
         cfg = GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
@@ -771,6 +783,55 @@ def tile_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str]
                 tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
                 label = f"tile_wna16 M<={min(m_max, 9999)} {bits}-bit offset={offset} {tile} split={split}"
                 out.append((label, arch, tile_wna16._kernel(), sig, consts, cfg))
+    return out + tile_fp4_compile_matrix(quick)
+
+
+def w8a8_prologue_compile_matrix(act: str) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
+    """The W8A8 GEMM that quantizes its activations in its prologue (M <= FUSED_QUANT_MAX_M): e4m3 on
+    sm89 / sm90, int8 on sm80 / sm90, at the decode config with and without K splits."""
+    from kernels import fp8_w8a8
+    from kernels.launch import cuda_block_config
+
+    out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
+    cfg = cuda_block_config(fp8_w8a8.FUSED_QUANT_MAX_M, "fp8")
+    for int8, archs in ((False, (89, 90)), (True, (80, 90))):
+        sig = {"X": f"*{act}", "W": "*i8" if int8 else "*fp8e4nv", "WS": "*fp32", "BIAS": f"*{act}",
+               "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32", "min_amax": "fp32", "divisor": "fp32",
+               "qmax": "fp32"}  # fmt: skip
+        for split_k in (1, 4):
+            consts = dict(
+                PER_CHANNEL=True, HAS_BIAS=True, INT8=int8, INTERPRET=False, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, BF16_INTERP=False,
+            )  # fmt: skip
+            for arch in archs:
+                label = f"{'int8' if int8 else 'fp8'}_w8a8 prologue quant M<=16 split={split_k}"
+                out.append((label, arch, fp8_w8a8._fused_gemm_kernel(), sig, consts, cfg))
+    return out
+
+
+def tile_fp4_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]]:
+    """tile_fp4 at every entry of the launch table, NVFP4 and MXFP4, bf16, for sm80 / sm86 / sm89 / sm90
+    (quick: sm80 / sm90)."""
+    from kernels import tile_fp4
+    from kernels.launch_table import LAUNCH_TABLE
+
+    table = [(e.m_max, e.config) for e in LAUNCH_TABLE if e.kernel == "tile_fp4"]
+    act = "bf16"
+    sig = {"X": f"*{act}", "QW": "*i32", "S": "*u8", "GS": "*fp32", "BIAS": f"*{act}", "Y": f"*{act}",
+           "M": "i32", "N": "i32", "K": "i32"}  # fmt: skip
+    out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
+    for arch in (80, 86, 89, 90) if not quick else (80, 90):
+        for fmt, group in FP4_GROUP_SIZE.items():
+            for m_max, cfg in table:
+                split = cfg.split_k if cfg.split_k > 0 else 4
+                block_k = max(cfg.block_k, group)
+                consts = dict(
+                    GROUP=group, NVFP4=fmt == "nvfp4", HAS_BIAS=True, BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, BF16_INTERP=False,
+                )  # fmt: skip
+                tile = f"{cfg.block_m}x{cfg.block_n}x{block_k}"
+                label = f"tile_fp4 M<={min(m_max, 9999)} {fmt} {tile} split={split}"
+                out.append((label, arch, tile_fp4._kernel(), sig, consts, replace(cfg, block_k=block_k)))
     return out
 
 

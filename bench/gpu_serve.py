@@ -106,6 +106,7 @@ CELLS = (
     GpuCell("llama-w8a8-int8", "llama", "w8a8-int8"),
     GpuCell("llama-nvfp4a16", "llama", "nvfp4-a16"),
     GpuCell("llama-mxfp4a16", "llama", "mxfp4-a16"),
+    GpuCell("llama-nvfp4a16-kiln", "llama", "nvfp4-a16", targets=("sm90", "sm80"), gpu_layout="kiln"),
     GpuCell("qwen3-moe-nvfp4a16", "qwen3-moe-marlin", "nvfp4-a16"),
     GpuCell("qwen3-moe-mxfp4a16", "qwen3-moe-marlin", "mxfp4-a16"),
     # DeepSeek: MLA (latent KV cache, absorbed decode) and grouped sigmoid routing (never run on a GPU)

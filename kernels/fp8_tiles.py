@@ -7,6 +7,13 @@ subnormals m * 2^-9), for GPUs without FP8 conversion instructions;
 fp16 and bf16; block scales (BLOCK_K divides block_k) scale each K step's dot, per-row scales the result;
 `token_scaled_gemm`: the fp32 tile (XQ @ W.T) * XS[row] * WS of 1-byte operands, int8 (exact int32
 accumulator) or e4m3 (fp32), WS per output channel (PER_CHANNEL) or one.
+
+`token_quant_tiles` (the per-token activation quantization, one definition for the quantization
+kernels and the GEMMs that quantize in their prologue):
+`token_scale`: a row's scale from its max |x|: e4m3 max(amax / 448, 1 / (448 * 512)) (vLLM's
+dynamic per-token FP8), int8 max(amax, min_amax) / divisor (kernels/codecs/int8.py);
+`token_quantize`: fp32 values -> e4m3 (clamped to ±448) or int8 (rounded half to even, clamped to
+[-128, qmax]) codes, IEEE divisions as torch's.
 """
 
 from __future__ import annotations
@@ -70,3 +77,38 @@ def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
         return acc * tl.load(WS)
 
     return e4m3_to_f32, jit(e4m3_gemm), jit(token_scaled_gemm)
+
+
+@triton_builder
+def token_quant_tiles(tl: ModuleType) -> tuple[Any, Any]:
+    """(token_scale, token_quantize), see the module docstring."""
+
+    def token_scale(amax, min_amax, divisor, INT8: tl.constexpr):
+        # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
+        if INT8:
+            scale = tl.div_rn(tl.maximum(amax, min_amax), divisor)
+        else:
+            scale = tl.maximum(tl.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        return scale
+
+    def token_quantize(x, scale, qmax, INT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # one return at the end: Triton compiles the code after a return inside `if`
+        if INT8:
+            v = (tl.div_rn(x, scale) + 12582912.0) - 12582912.0  # + 1.5 * 2^23: round half to even
+            q = tl.minimum(tl.maximum(v, -128.0), qmax).to(tl.int8)
+        else:
+            v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+            if INTERPRET:
+                # The interpreter's e4m3 downcast rounds wrongly: snap onto the e4m3 grid first
+                # (RNE on the fp32 bits for normals, multiples of 2^-9 below 2^-6); exact on GPU anyway.
+                bits = v.to(tl.int32, bitcast=True)
+                lsb = (bits >> 20) & 1
+                normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+                sub = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) / 512.0
+                sign = bits & -2147483648  # copy the sign bit: keeps -0 for negatives that round to 0
+                sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+                v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+            q = v.to(tl.float8e4nv)
+        return q
+
+    return jit(token_scale), jit(token_quantize)

@@ -8,7 +8,9 @@ Stored tensors (per rank):
     bias          (N,) act dtype, optional
 Runtime: every token row t of x is quantized as scale_t = max(amax_t / 448, 1 / (448 * 512)),
 q_t = e4m3(clamp(x_t / scale_t, ±448)) (vLLM's dynamic per-token kernel), then
-y = (q @ weight.T) * scale_t * weight_scale (+ bias), accumulated in fp32.
+y = (q @ weight.T) * scale_t * weight_scale (+ bias), accumulated in fp32. Up to FUSED_QUANT_MAX_M
+rows the GEMM quantizes in its own prologue (`token_quant_gemm_kernel`), above that a per-token
+kernel runs first; both write the same bytes (kernels/fp8_tiles.py `token_quant_tiles`).
 
 Two GEMM backends: the Triton kernel (`fp8_w8a8_gemm`, what `apply` runs) and `torch._scaled_mm`
 (`scaled_mm_gemm`, row-wise scales); bench/gpu_check.py measures both on the GPU.
@@ -39,15 +41,23 @@ from kernels.base import (
 )
 from kernels.codecs.exact import exact_div
 from kernels.codecs.fp8 import E4M3_MAX, requantize_to_max_scale
+from kernels.codecs.int8 import INT8_MAX, MIN_AMAX, SCALE_DIVISOR
 from kernels.errors import LayoutError
-from kernels.fp8_tiles import fp8_tiles
-from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles
+from kernels.fp8_tiles import fp8_tiles, token_quant_tiles
+from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, import_triton, interpreter_enabled, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config
 from kernels.targets import gpu_targets
 
 MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor for dynamic per-token quant
 FP8 = torch.float8_e4m3fn
+# Rows up to which the GEMM quantizes its activations itself: every program of a row re-reads the
+# row's K activations for its max |x|, cheap against the weight at decode sizes, not at prefill.
+FUSED_QUANT_MAX_M = 16
+# (min_amax, divisor, qmax) of the prologue's quantization: e4m3 (token_scale ignores the first)
+# and int8 (kernels/codecs/int8.py)
+FP8_QUANT_ARGS = (0.0, E4M3_MAX, E4M3_MAX)
+INT8_QUANT_ARGS = (MIN_AMAX, SCALE_DIVISOR, float(INT8_MAX))
 
 
 class TokenScaledKernel(LinearKernel):
@@ -195,20 +205,32 @@ def token_scaled_gemm(
     config: GemmConfig | None = None,
     *,
     kernel: str,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """y = (q @ weight.T) * scale_t * weight_scale (+ bias), q, scale_t = quantize(x rows), on 1-byte
-    operands: FP8 e4m3 (fp32 accumulator) or int8 (exact int32 accumulator, int8_w8a8)."""
+    operands: FP8 e4m3 (fp32 accumulator) or int8 (exact int32 accumulator, int8_w8a8).
+
+    Up to FUSED_QUANT_MAX_M rows (`fused` None) the GEMM quantizes the activations in its prologue
+    (the same bytes as `quantize`: one launch, no quantized copy); above, `quantize` runs first."""
     x2 = gemm_rows(x, spec.k, kernel).contiguous()
     m, n, k = x2.shape[0], spec.n, spec.k
-    xq, xs = quantize(x2)
     cfg = config or default_config(m, n, k, x.device, kind="fp8")
-    ws = tensors["weight_scale"]
+    ws, w = tensors["weight_scale"], tensors["weight"]
     run = GemmLaunch.plan(x, m, n, cfg, tensors)
+    int8 = w.dtype == torch.int8
+    if fused if fused is not None else m <= FUSED_QUANT_MAX_M:
+        return run.launch(
+            _fused_gemm_kernel(),
+            x2, w, ws, run.bias_or(ws), run.y,
+            m, n, k, *(INT8_QUANT_ARGS if int8 else FP8_QUANT_ARGS),
+            PER_CHANNEL=ws.numel() > 1, INT8=int8, INTERPRET=interpreter_enabled(),
+        )  # fmt: skip
+    xq, xs = quantize(x2)
     return run.launch(
         _gemm_kernel(),
-        xq, xs, tensors["weight"], ws, run.bias_or(ws), run.y,
+        xq, xs, w, ws, run.bias_or(ws), run.y,
         m, n, k,
-        PER_CHANNEL=ws.numel() > 1, INT8=xq.dtype == torch.int8,
+        PER_CHANNEL=ws.numel() > 1, INT8=int8,
     )  # fmt: skip
 
 
@@ -245,27 +267,16 @@ def row_amax_tile(tl: ModuleType) -> Any:
 @triton_builder
 def _quant_kernel(tl: ModuleType) -> Any:
     row_amax = row_amax_tile()
+    token_scale, token_quantize = token_quant_tiles()
 
     def fp8_per_token_quant_kernel(X, Q, S, K, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
-        scale = tl.maximum(tl.div_rn(row_amax(X, row, K, BLOCK), 448.0), 1.0 / (448.0 * 512.0))
+        scale = token_scale(row_amax(X, row, K, BLOCK), 0.0, 448.0, False)
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-            if INTERPRET:
-                # The interpreter's e4m3 downcast rounds wrongly: snap onto the e4m3 grid first
-                # (RNE on the fp32 bits for normals, multiples of 2^-9 below 2^-6); exact on GPU anyway.
-                bits = v.to(tl.int32, bitcast=True)
-                lsb = (bits >> 20) & 1
-                normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
-                sub = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) / 512.0
-                sign = bits & -2147483648  # copy the sign bit: keeps -0 for negatives that round to 0
-                sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-                v = tl.where(tl.abs(v) < 0.015625, sub, normal)
-            tl.store(Q + row * K + offs, v.to(Q.dtype.element_ty), mask=offs < K)
+            tl.store(Q + row * K + offs, token_quantize(x, scale, 448.0, False, INTERPRET), mask=offs < K)
 
     return jit(fp8_per_token_quant_kernel)
 
@@ -292,3 +303,42 @@ def _gemm_kernel(tl: ModuleType) -> Any:
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
     return jit(token_scaled_gemm_kernel)
+
+
+@triton_builder
+def _fused_gemm_kernel(tl: ModuleType) -> Any:
+    gemm_program, store_tile = gemm_tiles()
+    x_tile, kmajor_tile = operand_tiles()
+    token_scale, token_quantize = token_quant_tiles()
+
+    def token_quant_gemm_kernel(
+        X, W, WS, BIAS, Y,
+        M, N, K, min_amax, divisor, qmax,
+        PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, INT8: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BF16_INTERP: tl.constexpr,
+    ):  # fmt: skip
+        offs_m, offs_n, mask_m, mask_n, pid_k, k_begin, k_end = gemm_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)  # over the whole row, whatever this K split
+        for it in range(0, tl.cdiv(K, BLOCK_K)):
+            x, _, _ = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, True)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = token_scale(amax, min_amax, divisor, INT8)  # (BM,)
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |127 * 128| * K < 2^31
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(k_begin, k_end):
+            x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, True)
+            a = token_quantize(x, scale[:, None], qmax, INT8, INTERPRET)
+            acc += tl.dot(a, kmajor_tile(W, offs_n, mask_n, offs_k, mask_k, K))
+        acc = acc.to(tl.float32) * scale[:, None]
+        if PER_CHANNEL:
+            acc = acc * tl.load(WS + offs_n, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(WS)
+        store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
+
+    return jit(token_quant_gemm_kernel)

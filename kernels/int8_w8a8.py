@@ -32,11 +32,10 @@ from kernels.codecs.int8 import (
     quantize_per_token_int8,
     symmetric_channelwise_int8,
 )
+from kernels.fp8_tiles import token_quant_tiles
 from kernels.fp8_w8a8 import TokenScaledKernel, quantize_rows, row_amax_tile
 from kernels.jit import jit, triton_builder
 from kernels.targets import gpu_targets
-
-ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer, half to even
 
 
 class Int8W8A8Kernel(TokenScaledKernel):
@@ -70,23 +69,21 @@ class Int8W8A8Kernel(TokenScaledKernel):
 
 def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton per-token int8 quantization (one program per row); same bytes as the torch reference."""
-    return quantize_rows(x2, torch.int8, _quant_kernel(), MIN_AMAX, SCALE_DIVISOR, INT8_MAX, ROUND_MAGIC)
+    return quantize_rows(x2, torch.int8, _quant_kernel(), MIN_AMAX, SCALE_DIVISOR, INT8_MAX)
 
 
 @triton_builder
 def _quant_kernel(tl: ModuleType) -> Any:
     row_amax = row_amax_tile()
+    token_scale, token_quantize = token_quant_tiles()
 
-    def int8_per_token_quant_kernel(X, Q, S, K, min_amax, divisor, qmax, magic, BLOCK: tl.constexpr):
+    def int8_per_token_quant_kernel(X, Q, S, K, min_amax, divisor, qmax, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        # div_rn: IEEE division like torch's (Triton's `/` is the approximate div.full.f32 on GPU)
-        scale = tl.div_rn(tl.maximum(row_amax(X, row, K, BLOCK), min_amax), divisor)
+        scale = token_scale(row_amax(X, row, K, BLOCK), min_amax, divisor, True)
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = (tl.div_rn(x, scale) + magic) - magic  # round half to even, as torch.round
-            v = tl.minimum(tl.maximum(v, -128.0), qmax)
-            tl.store(Q + row * K + offs, v.to(tl.int8), mask=offs < K)
+            tl.store(Q + row * K + offs, token_quantize(x, scale, qmax, True, False), mask=offs < K)
 
     return jit(int8_per_token_quant_kernel)

@@ -42,7 +42,7 @@ def _prior(kernel: str) -> tuple[LaunchEntry, ...]:
     )
 
 
-LAUNCH_TABLE: tuple[LaunchEntry, ...] = (*_prior("tile_wna16"),)
+LAUNCH_TABLE: tuple[LaunchEntry, ...] = (*_prior("tile_wna16"), *_prior("tile_fp4"))
 
 # Candidates `bench/gpu_check.py --sweep` times per M bucket (split-K by occupancy and forced).
 SWEEP: dict[int, tuple[GemmConfig, ...]] = {

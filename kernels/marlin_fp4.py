@@ -54,6 +54,7 @@ from kernels.base import (
 )
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
+from kernels.fp4_tiles import fp4_tiles
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config
@@ -242,6 +243,7 @@ def _kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile = operand_tiles()[0]
     marlin_n_terms, marlin_codes, _ = marlin_tiles()
+    e2m1_fp32 = fp4_tiles()[0]
 
     def marlin_fp4_kernel(
         X, QW, S, GS, BIAS, Y,
@@ -262,15 +264,13 @@ def _kernel(tl: ModuleType) -> Any:
             x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, BF16_INTERP)
             mask_kn = mask_k[:, None] & mask_n[None, :]
             q = marlin_codes(QW, offs_k, mask_kn, col_n, shift_n, N, 4)
-            mag = q & 7  # E2M1 2e + m: 0.5 m (e = 0), (1 + m / 2) 2^(e - 1): fp32 bits (mag + 252) << 22
-            bits = tl.where(mag < 2, mag * 0x3F000000, (mag + 252) << 22) | ((q & 8) << 28)
             s_addr = (offs_k // GROUP)[:, None] * N + s_col[None, :]
             b = tl.load(S + s_addr, mask=mask_kn, other=0).to(tl.int32)
             if NVFP4:  # S0E5M3 byte -> fp32 bits of fp16(byte << 7) * 2^-bias
                 s_bits = tl.where(b == 0, 0, (b + scale_bits_offset) << 20)
             else:  # E8M0 byte -> 2^(byte - 127) (byte 0: the fp32 subnormal 2^-127)
                 s_bits = tl.where(b == 0, 0x00400000, b << 23)
-            w = bits.to(tl.float32, bitcast=True) * s_bits.to(tl.float32, bitcast=True)
+            w = e2m1_fp32(q) * s_bits.to(tl.float32, bitcast=True)
             if not BF16_INTERP:
                 w = w.to(act)
             acc += tl.dot(x, w)

@@ -47,6 +47,7 @@ KERNELS: tuple[str, ...] = (
     "kernels.int8_w8a8:Int8W8A8Kernel",
     "kernels.tile_wna16:TileWNA16Kernel",
     "kernels.marlin_wna16:MarlinWNA16Kernel",
+    "kernels.tile_fp4:TileFp4Kernel",
     "kernels.marlin_fp4:MarlinFp4Kernel",
     "kernels.gptq_wna16:GptqWNA16Kernel",
     "kernels.fp8_marlin:Fp8MarlinKernel",

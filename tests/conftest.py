@@ -49,11 +49,6 @@ def _module(item: pytest.Item) -> str:
 
 @pytest.hookimpl(trylast=True)  # after the directories' hooks have added their markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # One xdist work unit per module (`--dist loadgroup`): a module's fixtures (a vLLM host, a
-    # service stack, a built artifact) are set up once, on one worker.
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_module(item)))
     waiting = {_module(item) for item in items if any(m in item.keywords for m in WAITING_MARKERS)}
     items.sort(key=lambda item: _module(item) not in waiting)  # stable: order kept within
     if torch.cuda.is_available():

@@ -79,8 +79,8 @@ class ConversionOptions(BaseModel):
         default=None,
         description="GPU targets: `marlin` stores the layouts vLLM's kernels read as they are (kiln serve "
         "and vLLM's plugin both serve them); `kiln` stores Kiln's own layouts where one takes the layer "
-        "(tile_wna16 for int weight-only layers: kiln serve's decode kernels; vLLM's plugin runs them "
-        "with Kiln's Triton kernels). Unset: marlin",
+        "(tile_wna16 for int weight-only layers, tile_fp4 for NVFP4 / MXFP4: kiln serve's decode kernels; "
+        "vLLM's plugin runs them with Kiln's Triton kernels). Unset: marlin",
     )
 
     @model_serializer(mode="wrap")

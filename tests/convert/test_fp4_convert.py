@@ -177,3 +177,43 @@ def test_sm80_expert_groups_carry_the_groups_scale_factor(qwen3_moe_nvfp4a16: Pa
         assert entry.kernel == "marlin_fp4_experts" and entry.verification and entry.verification.ok
         # llm-compressor's block scales reach 448 * amax_block / amax_tensor: the factor is 1 or 2
         assert spec.w13.group_scale_factor in (1.0, 2.0) and spec.w2.group_scale_factor in (1.0, 2.0)
+
+
+@pytest.mark.parametrize("fixture", ["llama_nvfp4a16", "llama_mxfp4a16"])
+def test_kiln_gpu_layout_stores_fp4_layers_for_tile_fp4(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """--gpu-layout kiln: the decoder's FP4 layers on tile_fp4, verified, their codes those of the
+    Marlin FP4 artifact of the same checkpoint (the default, unchanged)."""
+    from kernels.registry import get_kernel
+
+    source = str(request.getfixturevalue(fixture))
+    rows = {r.layer: r for r in plan(source, "sm90", gpu_layout="kiln").rows}
+    assert rows["model.layers.0.self_attn.qkv_proj"].kernel == "tile_fp4"
+    assert rows["model.layers.1.mlp.down_proj"].kernel == "tile_fp4"
+    (tile,) = convert(ConversionRequest(source, ["sm80"], out=str(tmp_path / "t"), gpu_layout="kiln"))
+    (marlin,) = convert(ConversionRequest(source, ["sm80"], out=str(tmp_path / "m")))
+    assert tile.manifest.verification.ok and marlin.manifest.artifact_id != tile.manifest.artifact_id
+    t_tensors = load_file(str(Path(tile.uri) / "rank0.safetensors"))
+    m_tensors = load_file(str(Path(marlin.uri) / "rank0.safetensors"))
+    compared = 0
+    for name, entry in tile.manifest.layers.items():
+        if entry.kernel != "tile_fp4":
+            continue
+        other = marlin.manifest.layers[name]
+        assert other.kernel == "marlin_fp4", name
+        mine = get_kernel("tile_fp4").stored_weight(_layer_tensors(t_tensors, name), entry.linear_spec())
+        theirs = get_kernel("marlin_fp4").stored_weight(_layer_tensors(m_tensors, name), other.linear_spec())
+        assert torch.equal(mine.codes, theirs.codes), name
+        compared += 1
+    assert compared >= 7  # 2 layers x (qkv, o, gate_up, down)
+
+
+def _layer_tensors(tensors: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+    """One layer's stored tensors of a rank file, by their short names."""
+    prefix = f"{layer}."
+    return {
+        name[len(prefix) :]: t
+        for name, t in tensors.items()
+        if name.startswith(prefix) and "." not in name[len(prefix) :]
+    }

@@ -277,6 +277,31 @@ def test_int8_per_token_quant_bytes_match_torch() -> None:
     assert torch.equal(q_ref[5], torch.zeros(200, dtype=torch.int8))  # an all-zero row stays zero
 
 
+@pytest.mark.parametrize("name", ["fp8_w8a8", "int8_w8a8"])
+def test_prologue_quantization_is_the_separate_kernels(name: str) -> None:
+    """Up to FUSED_QUANT_MAX_M rows the W8A8 GEMM quantizes activations in its prologue: the same
+    output, bit for bit, as the separate per-token quantization kernel then the GEMM, at every K split
+    (each program takes the whole row's max |x|), rows of very different magnitude and a zero row."""
+    from kernels.fp8_w8a8 import FUSED_QUANT_MAX_M
+
+    k, tensors, spec, _ = prepared(
+        name, (FP8_W8A8_CASES if name == "fp8_w8a8" else INT8_W8A8_CASES)[1], torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(5)
+    for m, cfg in (
+        (1, launch.GemmConfig(16, 64, 64, split_k=1)),
+        (5, launch.GemmConfig(16, 32, 64, split_k=2)),
+        (FUSED_QUANT_MAX_M, launch.GemmConfig(16, 64, 32, split_k=4)),
+    ):
+        x = torch.randn(m, spec.k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+        x[-1] = 0.0
+        x = x.to(torch.bfloat16)
+        fused = fp8_w8a8.token_scaled_gemm(x, k.quantize, tensors, spec, cfg, kernel=name, fused=True)
+        apart = fp8_w8a8.token_scaled_gemm(x, k.quantize, tensors, spec, cfg, kernel=name, fused=False)
+        assert torch.equal(fused, apart), (m, cfg)
+        assert rel_err(fused, k.reference(x, tensors, spec)) < GEMM_REL_TOL[torch.bfloat16]
+
+
 def test_split_k_and_batched_input() -> None:
     from kernels.fp8_marlin import fp8_marlin_gemm
     from kernels.fp8_w8a8 import fp8_w8a8_gemm

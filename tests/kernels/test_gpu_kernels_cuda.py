@@ -110,6 +110,13 @@ FP4_CASES = {
         Fp4Case(768, 4096, "nvfp4"),
         Fp4Case(1024, 1536, "mxfp4", bias=True),
     ],
+    "tile_fp4": [  # MXFP4 at the even (bfloat16) positions: tile_fp4 refuses it in float16
+        Fp4Case(1024, 2048, "nvfp4", bias=True),
+        Fp4Case(4096, 1024, "nvfp4"),
+        Fp4Case(2048, 1024, "mxfp4"),
+        Fp4Case(1000, 2080, "nvfp4"),  # N and K that no tile divides
+        Fp4Case(1000, 1504, "mxfp4", bias=True),
+    ],
 }
 MOE_MS = (1, 33, 200)  # tokens routed top-k: rows per expert from one to several blocks
 # fp8_moe_w8a8 re-quantizes silu(gate) * up per token to e4m3 after rounding it to the act dtype from

@@ -119,7 +119,8 @@ def test_gpu_dense_layer_falls_through_to_dense() -> None:
 @pytest.mark.parametrize("target", [Target.SM75, Target.SM80, Target.SM86, Target.SM89, Target.SM90])
 def test_kiln_layouts_are_chosen_only_when_asked_for(target: Target) -> None:
     """An int4 layer: Marlin bytes by default (sm75: gptq_wna16), tile_wna16 with --gpu-layout kiln and
-    nothing recorded about it otherwise; act-order stays on the vLLM-identical layouts either way."""
+    nothing recorded about it otherwise; act-order stays on the vLLM-identical layouts either way. An
+    NVFP4 layer likewise: marlin_fp4 by default, tile_fp4 when asked for."""
     half = dataclasses.replace(INT4, act_dtype="float16")
     default = registry.choose_kernel(half, target)
     assert default.kernel.name == ("gptq_wna16" if target is Target.SM75 else "marlin_wna16")
@@ -128,6 +129,10 @@ def test_kiln_layouts_are_chosen_only_when_asked_for(target: Target) -> None:
     act_order = dataclasses.replace(half, act_order=True)
     chosen = registry.choose_kernel(act_order, target, kiln_layouts=True)
     assert chosen.kernel.name != "tile_wna16" and "act-order" in dict(chosen.rejected)["tile_wna16"]
+    fp4 = dataclasses.replace(FP4, act_dtype="bfloat16")
+    if target is not Target.SM75:  # FP4 runs from sm80
+        assert registry.choose_kernel(fp4, target).kernel.name == "marlin_fp4"
+        assert registry.choose_kernel(fp4, target, kiln_layouts=True).kernel.name == "tile_fp4"
     experts = registry.MOE_KERNELS["tile_wna16_experts"]
     assert registry.is_kiln_layout(experts) and not registry.is_kiln_layout(
         registry.MOE_KERNELS["marlin_moe_wna16"]
@@ -255,6 +260,7 @@ _AMPERE = (
     "int8_w8a8",
     "tile_wna16",
     "marlin_wna16",
+    "tile_fp4",
     "marlin_fp4",
     "gptq_wna16",
     "fp8_marlin",
