@@ -109,6 +109,7 @@ CELLS = (
     GpuCell("llama-nvfp4a16-kiln", "llama", "nvfp4-a16", targets=("sm90", "sm80"), gpu_layout="kiln"),
     GpuCell("qwen3-moe-nvfp4a16", "qwen3-moe-marlin", "nvfp4-a16"),
     GpuCell("qwen3-moe-mxfp4a16", "qwen3-moe-marlin", "mxfp4-a16"),
+    GpuCell("qwen3-moe-nvfp4a16-kiln", "qwen3-moe-marlin", "nvfp4-a16", gpu_layout="kiln"),
     # DeepSeek: MLA (latent KV cache, absorbed decode) and grouped sigmoid routing (never run on a GPU)
     GpuCell("deepseek-v3-bf16", "deepseek-v3", None),
     GpuCell("deepseek-v3-gptq-w4a16", "deepseek-v3", "gptq-w4a16", targets=("sm90", "sm80")),

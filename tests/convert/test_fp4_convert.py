@@ -179,6 +179,20 @@ def test_sm80_expert_groups_carry_the_groups_scale_factor(qwen3_moe_nvfp4a16: Pa
         assert spec.w13.group_scale_factor in (1.0, 2.0) and spec.w2.group_scale_factor in (1.0, 2.0)
 
 
+@pytest.mark.parametrize("fixture", ["qwen3_moe_nvfp4a16", "qwen3_moe_mxfp4a16"])
+def test_kiln_gpu_layout_runs_fp4_experts_on_the_tile_loop(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """No fused FP4 expert kernel either way: --gpu-layout kiln swaps the per-expert loop over
+    marlin_fp4 for the one over tile_fp4; the router stays dense."""
+    source = str(request.getfixturevalue(fixture))
+    default = {r.layer: r.kernel for r in plan(source, "sm90").rows}
+    kiln = {r.layer: r.kernel for r in plan(source, "sm90", gpu_layout="kiln").rows}
+    assert default["model.layers.0.mlp.experts"] == "marlin_fp4_experts"
+    assert kiln["model.layers.0.mlp.experts"] == "tile_fp4_experts"
+    assert kiln["model.layers.0.mlp.gate"] == "dense"
+
+
 @pytest.mark.parametrize("fixture", ["llama_nvfp4a16", "llama_mxfp4a16"])
 def test_kiln_gpu_layout_stores_fp4_layers_for_tile_fp4(
     fixture: str, request: pytest.FixtureRequest, tmp_path: Path
