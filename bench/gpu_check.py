@@ -98,6 +98,7 @@ VARIANTS = (
     Variant("tile W4A16 g128", "tile_wna16", "int"),
     Variant("tile W4A16 asym g128", "tile_wna16", "int", symmetric=False),
     Variant("tile W8A16 channel", "tile_wna16", "int", bits=8, group_size=-1),
+    Variant("tile W4A16 asym g128 act-order", "tile_wna16", "int", symmetric=False, act_order=True),
     Variant("marlin W4A16 g128", "marlin_wna16", "int"),
     Variant("marlin W4A16 asym g128 act-order", "marlin_wna16", "int", symmetric=False, act_order=True),
     Variant("marlin W8A16 channel", "marlin_wna16", "int", bits=8, group_size=-1),

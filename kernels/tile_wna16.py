@@ -10,14 +10,18 @@ Stored tensors (per rank; pf = 32 // bits; G = K // group_size, 1 channelwise):
     scales   (G, N)       act     dequant multipliers
     zeros    (G, N)       uint8   asymmetric only: integer zero points, unpacked
     mins     (G, N)       act     float-minimum layers only (GGUF Q4_1 / Q4_K), instead of zeros
+    perm     (K,)         int32   act-order only: the input channels sorted by group (stable); qweight's
+                                  column j holds channel perm[j], so K block j // group is group j
     bias     (N,)         act     optional
     w[n, k] = (code - zero) * scale, symmetric zero = 2 ** (bits - 1); float minimum: code * scale + min.
 
 Each K block lies inside one group, so per block the kernel multiplies codes as integers and applies
 the group once: acc += scale * (x · codes) + offset * sum(x), offset = -zero * scale (or the minimum).
 M = 1 runs a GEMV program (multiply and reduce on the CUDA cores), larger M tensor-core tiles; split-K
-by occupancy for decode shapes. Launch configs: kernels/launch_table.py. Act-order layers (a permuted
-K) are left to marlin_wna16 / gptq_wna16.
+by occupancy for decode shapes. Launch configs: kernels/launch_table.py. Act-order layers are stored
+with K sorted by group (Marlin's idea): the kernel is the same, the activations are gathered by
+`perm` first (one index_select); a rank holding a K slice of an act-order layer (row-parallel TP)
+has groups of unequal size there and is left to marlin_wna16 / gptq_wna16.
 """
 
 from __future__ import annotations
@@ -68,8 +72,11 @@ class TileWNA16Kernel(DecodedLayoutKernel):
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.bits not in SUPPORTED_BITS:
             return False, f"tile_wna16 supports {SUPPORTED_BITS} bits, layer has {spec.bits}"
-        if spec.act_order:
-            return False, "act-order (a permuted K) has no tile_wna16 layout: marlin_wna16 / gptq_wna16 do"
+        if spec.act_order and spec.k != spec.k_full:
+            return False, (
+                f"act-order layer with K split over ranks ({spec.k} of {spec.k_full}): a rank's channels "
+                "fall in groups of unequal size; marlin_wna16 / gptq_wna16 take it"
+            )
         if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
         group = group_of(spec)
@@ -90,6 +97,8 @@ class TileWNA16Kernel(DecodedLayoutKernel):
             out["mins"] = StoredTensor((groups, n), act)
         elif not spec.symmetric:
             out["zeros"] = StoredTensor((groups, n), torch.uint8)
+        if spec.act_order:
+            out["perm"] = StoredTensor((k,), torch.int32)
         return with_bias(out, spec, act)
 
     def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
@@ -103,8 +112,14 @@ class TileWNA16Kernel(DecodedLayoutKernel):
                 f"spec says float_zeros={spec.float_zeros}"
             )
         act = spec.torch_act_dtype
-        out: dict[str, torch.Tensor] = {
-            "qweight": pack_cols(weight.codes, spec.bits),  # (N, K // pf) int32
+        codes = weight.codes
+        out: dict[str, torch.Tensor] = {}
+        if spec.act_order:
+            perm = group_sorted_channels(weight.group_index(), group_of(spec), spec.name)
+            codes = codes[:, perm]
+            out["perm"] = perm.to(torch.int32)  # (K,)
+        out |= {
+            "qweight": pack_cols(codes, spec.bits),  # (N, K // pf) int32
             "scales": weight.scales.to(act).contiguous(),  # (G, N)
         }
         if weight.zeros is not None:
@@ -119,7 +134,13 @@ class TileWNA16Kernel(DecodedLayoutKernel):
         codes = unpack_cols(tensors["qweight"].cpu(), spec.bits, spec.k).to(torch.uint8)  # (N, K)
         zeros = tensors["zeros"].cpu() if "zeros" in tensors else None
         mins = tensors["mins"].cpu() if "mins" in tensors else None
-        return IntWeight(codes, tensors["scales"].cpu(), spec.bits, spec.group_size, zeros, mins=mins)
+        g_idx = None
+        if "perm" in tensors:  # back to the checkpoint's channel order
+            perm = tensors["perm"].cpu().long()
+            codes = torch.empty_like(codes).index_copy_(1, perm, codes)
+            g_idx = torch.empty(spec.k, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(spec.k) // group_of(spec)).to(torch.int32)
+        return IntWeight(codes, tensors["scales"].cpu(), spec.bits, spec.group_size, zeros, g_idx, mins=mins)
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
@@ -158,6 +179,19 @@ def _operands(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return scales, scales, SYMMETRIC
 
 
+def group_sorted_channels(group_index: torch.Tensor, group: int, name: str) -> torch.Tensor:
+    """(K,) int64 input channels sorted by group (stable), checked to give every group `group`
+    channels in a row, so that K block j // group of the sorted weight is group j."""
+    perm = torch.argsort(group_index, stable=True)
+    expected = torch.arange(group_index.numel()) // group
+    if not torch.equal(group_index[perm], expected):
+        raise LayoutError(
+            f"{name}: the act-order g_idx does not give every group {group} channels; "
+            "marlin_wna16 / gptq_wna16 take such layers"
+        )
+    return perm
+
+
 def _fitted(cfg: GemmConfig, spec: LinearSpec) -> GemmConfig:
     """`cfg` with BLOCK_K dividing the group (each K block inside one group, at least MIN_BLOCK_K)."""
     fitted, per_block = fit_to_groups(cfg, group_of(spec), act_order=False)
@@ -183,7 +217,9 @@ def _launch(
     spec: LinearSpec,
     cfg: GemmConfig,
 ) -> torch.Tensor:
-    x2 = gemm_rows(x, spec.k, TileWNA16Kernel.name).contiguous()
+    x2 = gemm_rows(x, spec.k, TileWNA16Kernel.name)
+    perm = tensors.get("perm")
+    x2 = x2.index_select(1, perm) if perm is not None else x2.contiguous()  # act-order: sorted K
     m = x2.shape[0]
     scales, offsets, kind = operands
     run = GemmLaunch.plan(x, m, spec.n, cfg, tensors)

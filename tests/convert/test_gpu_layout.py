@@ -30,7 +30,7 @@ def _decoder_kernels(p) -> set[str]:  # type: ignore[no-untyped-def]
         ("gptq-w4-v2-asym", {"tile_wna16"}),
         ("awq-gemm", {"tile_wna16"}),
         ("ct-w8a16", {"tile_wna16"}),
-        ("gptq-w4-actorder", {"marlin_wna16"}),  # a permuted K: the vLLM-identical layout keeps it
+        ("gptq-w4-actorder", {"tile_wna16"}),  # stored with K sorted by group
         ("fp8-tensor", {"fp8_w8a8"}),  # no Kiln layout of its own yet
     ],
 )
@@ -100,3 +100,19 @@ def test_kiln_plan_takes_the_flag(ckpt: Callable[[str], Path]) -> None:
     payload = json.loads(result.output)
     assert payload["options"]["gpu_layout"] == "kiln"
     assert {r["kernel"] for r in payload["layers"] if r["layer"].startswith(DECODER)} == {"tile_wna16"}
+
+
+def test_an_act_order_checkpoint_converts_to_the_group_sorted_tile_layout(
+    ckpt: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """GPTQ act-order, --gpu-layout kiln: every decoder layer on tile_wna16 with its `perm`, the
+    artifact verified (the stored weight decodes to the checkpoint's codes and g_idx)."""
+    (art,) = convert(
+        ConversionRequest(str(ckpt("gptq-w4-actorder")), ["sm80"], out=str(tmp_path / "t"), gpu_layout="kiln")
+    )
+    assert art.manifest.verification.ok
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(art.uri) / "rank0.safetensors"))
+    tiled = [name for name, e in art.manifest.layers.items() if e.kernel == "tile_wna16"]
+    assert tiled and all(f"{name}.perm" in tensors for name in tiled)

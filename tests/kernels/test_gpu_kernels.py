@@ -14,6 +14,7 @@ import torch
 from kernels import fp8_w8a8, jit, launch
 from kernels.base import Fp8Weight, IntWeight, LinearSpec, ShardSpec, Target
 from kernels.codecs.fp8 import quantize_fp8
+from kernels.errors import LayoutError
 from tests.helpers.numerics import rel_err
 
 # apply vs its reference twin (relative Frobenius error). The twin dequantizes to fp32 and multiplies
@@ -159,6 +160,8 @@ TILE_CASES = [
     IntCase(192, 384, 8, -1),
     IntCase(64, 256, 2, 128, symmetric=False),
     IntCase(100, 384, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K
+    IntCase(192, 384, 4, 128, symmetric=False, act_order=True),  # K stored sorted by group
+    IntCase(128, 256, 8, 64, act_order=True),
 ]
 MARLIN_CASES = [
     IntCase(128, 256, 4, 64),
@@ -367,10 +370,35 @@ def test_tile_stored_tensors_are_rows_packed_along_k() -> None:
     assert set(tensors) == set(k.stored_tensors(spec, Target.SM80))
 
 
+def test_tile_act_order_sorts_k_by_group() -> None:
+    """Act-order: qweight's column j holds input channel perm[j], perm sorting the channels by group,
+    so each K block lies in one group and the stored scales stay (G, N); the stored weight decodes
+    back to the checkpoint's order and g_idx."""
+    case = TILE_CASES[5]
+    k, tensors, spec, w = prepared("tile_wna16", case, torch.bfloat16)
+    assert w.g_idx is not None
+    perm = tensors["perm"].long()
+    assert torch.equal(w.g_idx.long()[perm], torch.arange(case.k) // case.group_size)
+    from kernels.codecs.bitpack import pack_cols
+
+    assert torch.equal(tensors["qweight"], pack_cols(w.codes[:, perm], 4))
+    back = k.stored_int_weight(tensors, spec)
+    assert back is not None and torch.equal(back.codes, w.codes)
+    assert back.g_idx is not None and torch.equal(back.g_idx.long(), w.g_idx.long())
+    assert torch.equal(back.dequantize(), w.dequantize())
+
+
 def test_tile_refusals() -> None:
     k = kernel("tile_wna16")
-    ok, reason = k.can_implement(IntCase(128, 256, 4, 64, act_order=True).spec(torch.bfloat16), Target.SM80)
-    assert not ok and "act-order" in reason
+    act_order = IntCase(128, 256, 4, 64, act_order=True)
+    assert k.can_implement(act_order.spec(torch.bfloat16), Target.SM80)[0]
+    ok, reason = k.can_implement(act_order.spec(torch.bfloat16, k_full=512, row_parallel=True), Target.SM80)
+    assert not ok and "act-order" in reason and "split over ranks" in reason
+    uneven = act_order.weight(torch.bfloat16)
+    assert uneven.g_idx is not None
+    uneven.g_idx[:2] = torch.tensor([1, 1], dtype=uneven.g_idx.dtype)  # group 0 short of 2 channels
+    with pytest.raises(LayoutError, match="does not give every group 64 channels"):
+        k.prepare(uneven, act_order.spec(torch.bfloat16), Target.SM80)
     ok, reason = k.can_implement(IntCase(64, 320, 4, 40).spec(torch.bfloat16), Target.SM80)
     assert not ok and "group size 40" in reason
     ok, reason = k.can_implement(IntCase(64, 256, 4, 64).spec(torch.bfloat16), Target.SM75)

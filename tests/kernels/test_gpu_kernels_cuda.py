@@ -58,6 +58,7 @@ INT_CASES = {
         IntCase(768, 1536, 8, -1),
         IntCase(512, 2048, 2, 64, symmetric=False),
         IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
+        IntCase(2048, 1024, 4, 128, symmetric=False, act_order=True),  # K sorted by group, x gathered
     ],
     "int8_w8a8": [  # its twin quantizes the activations per token as the kernel does
         IntCase(1024, 2048, 8, -1, int8_activations=True),

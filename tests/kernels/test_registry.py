@@ -119,15 +119,18 @@ def test_gpu_dense_layer_falls_through_to_dense() -> None:
 @pytest.mark.parametrize("target", [Target.SM75, Target.SM80, Target.SM86, Target.SM89, Target.SM90])
 def test_kiln_layouts_are_chosen_only_when_asked_for(target: Target) -> None:
     """An int4 layer: Marlin bytes by default (sm75: gptq_wna16), tile_wna16 with --gpu-layout kiln and
-    nothing recorded about it otherwise; act-order stays on the vLLM-identical layouts either way. An
-    NVFP4 layer likewise: marlin_fp4 by default, tile_fp4 when asked for."""
+        nothing recorded about it otherwise; act-order too, except on a rank holding a K slice (row-parallel
+    TP), which stays on the vLLM-identical layouts. An
+        NVFP4 layer likewise: marlin_fp4 by default, tile_fp4 when asked for."""
     half = dataclasses.replace(INT4, act_dtype="float16")
     default = registry.choose_kernel(half, target)
     assert default.kernel.name == ("gptq_wna16" if target is Target.SM75 else "marlin_wna16")
     assert "tile_wna16" not in dict(default.rejected)
     assert registry.choose_kernel(half, target, kiln_layouts=True).kernel.name == "tile_wna16"
     act_order = dataclasses.replace(half, act_order=True)
-    chosen = registry.choose_kernel(act_order, target, kiln_layouts=True)
+    assert registry.choose_kernel(act_order, target, kiln_layouts=True).kernel.name == "tile_wna16"
+    sharded = dataclasses.replace(act_order, k_full=2 * half.k)  # a row-parallel rank's K slice
+    chosen = registry.choose_kernel(sharded, target, kiln_layouts=True)
     assert chosen.kernel.name != "tile_wna16" and "act-order" in dict(chosen.rejected)["tile_wna16"]
     fp4 = dataclasses.replace(FP4, act_dtype="bfloat16")
     if target is not Target.SM75:  # FP4 runs from sm80
