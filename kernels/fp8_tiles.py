@@ -6,7 +6,8 @@ subnormals m * 2^-9), for GPUs without FP8 conversion instructions;
 `e4m3_gemm`: the fp32 tile x @ e4m3(W).T of a K-major (N, K) e4m3 weight, every e4m3 value exact in
 fp16 and bf16; block scales (BLOCK_K divides block_k) scale each K step's dot, per-row scales the result;
 `token_scaled_gemm`: the fp32 tile (XQ @ W.T) * XS[row] * WS of 1-byte operands, int8 (exact int32
-accumulator) or e4m3 (fp32), WS per output channel (PER_CHANNEL) or one.
+accumulator) or e4m3 (fp32), WS per output channel (PER_CHANNEL) or one (its epilogue,
+`token_scaled_epilogue`, shared with the GEMMs that quantize their activations in the prologue).
 
 `token_quant_tiles` (the per-token activation quantization, one definition for the quantization
 kernels and the GEMMs that quantize in their prologue):
@@ -26,8 +27,8 @@ from kernels.jit import jit, triton_builder
 
 
 @triton_builder
-def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
-    """(e4m3_to_f32, e4m3_gemm, token_scaled_gemm), see the module docstring."""
+def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any, Any]:
+    """(e4m3_to_f32, e4m3_gemm, token_scaled_gemm, token_scaled_epilogue), see the module docstring."""
     x_tile, kmajor_tile = operand_tiles()
 
     def e4m3_to_f32(b):
@@ -59,6 +60,17 @@ def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
             acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
         return acc
 
+    def token_scaled_epilogue(acc, row_scale, WS, offs_n, mask_n, PER_CHANNEL: tl.constexpr):
+        """The fp32 tile acc * row_scale[row] * WS (per output channel, or one)."""
+        acc = acc.to(tl.float32) * row_scale[:, None]
+        if PER_CHANNEL:
+            acc = acc * tl.load(WS + offs_n, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(WS)
+        return acc
+
+    token_scaled_epilogue = jit(token_scaled_epilogue)
+
     def token_scaled_gemm(
         XQ, XS, W, WS, rows, mask_m, offs_n, mask_n, k_begin, k_end, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -71,12 +83,11 @@ def fp8_tiles(tl: ModuleType) -> tuple[Any, Any, Any]:
         for it in range(k_begin, k_end):
             a, offs_k, mask_k = x_tile(XQ, rows, mask_m, it, K, BLOCK_K, False)
             acc += tl.dot(a, kmajor_tile(W, offs_n, mask_n, offs_k, mask_k, K))
-        acc = acc.to(tl.float32) * tl.load(XS + rows, mask=mask_m, other=0.0)[:, None]
-        if PER_CHANNEL:
-            return acc * tl.load(WS + offs_n, mask=mask_n, other=0.0)[None, :]
-        return acc * tl.load(WS)
+        return token_scaled_epilogue(
+            acc, tl.load(XS + rows, mask=mask_m, other=0.0), WS, offs_n, mask_n, PER_CHANNEL
+        )
 
-    return e4m3_to_f32, jit(e4m3_gemm), jit(token_scaled_gemm)
+    return e4m3_to_f32, jit(e4m3_gemm), jit(token_scaled_gemm), token_scaled_epilogue
 
 
 @triton_builder

@@ -310,6 +310,7 @@ def _fused_gemm_kernel(tl: ModuleType) -> Any:
     gemm_program, store_tile = gemm_tiles()
     x_tile, kmajor_tile = operand_tiles()
     token_scale, token_quantize = token_quant_tiles()
+    token_scaled_epilogue = fp8_tiles()[3]
 
     def token_quant_gemm_kernel(
         X, W, WS, BIAS, Y,
@@ -334,11 +335,7 @@ def _fused_gemm_kernel(tl: ModuleType) -> Any:
             x, offs_k, mask_k = x_tile(X, offs_m, mask_m, it, K, BLOCK_K, True)
             a = token_quantize(x, scale[:, None], qmax, INT8, INTERPRET)
             acc += tl.dot(a, kmajor_tile(W, offs_n, mask_n, offs_k, mask_k, K))
-        acc = acc.to(tl.float32) * scale[:, None]
-        if PER_CHANNEL:
-            acc = acc * tl.load(WS + offs_n, mask=mask_n, other=0.0)[None, :]
-        else:
-            acc = acc * tl.load(WS)
+        acc = token_scaled_epilogue(acc, scale, WS, offs_n, mask_n, PER_CHANNEL)
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 
     return jit(token_quant_gemm_kernel)

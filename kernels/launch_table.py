@@ -10,6 +10,7 @@ winners as entries of this table; until a device run records them here, the arch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -107,3 +108,18 @@ def tuned_config(kernel: str, m: int, n: int, k: int, device: torch.device) -> G
     if cfg.split_k == 0:
         cfg = replace(cfg, split_k=occupancy_split_k(cfg, m, n, k, sm_count(index)))
     return cfg
+
+
+def bound_configs(
+    kernel: str, n: int, k: int, fit: Callable[[GemmConfig], GemmConfig]
+) -> Callable[[int, torch.device], GemmConfig]:
+    """A bound layer's launch configs: `fit(tuned_config(...))` resolved once per (M, device)."""
+    cache: dict[tuple[int, torch.device], GemmConfig] = {}
+
+    def config(m: int, device: torch.device) -> GemmConfig:
+        cfg = cache.get((m, device))
+        if cfg is None:
+            cfg = cache[(m, device)] = fit(tuned_config(kernel, m, n, k, device))
+        return cfg
+
+    return config

@@ -54,9 +54,9 @@ from kernels.base import (
 )
 from kernels.codecs.bitpack import pack_rows, unpack_rows
 from kernels.errors import LayoutError
-from kernels.fp4_tiles import fp4_tiles
+from kernels.fp4_tiles import fp4_gpu_reason, fp4_tiles
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
-from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
+from kernels.jit import jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config
 from kernels.marlin_layout import (
     marlin_permute_scales,
@@ -87,19 +87,8 @@ class MarlinFp4Kernel(DecodedLayoutKernel):
     gpt_oss_expert_padding: ClassVar[tuple[int, int] | None] = (256, 128)  # vLLM's MARLIN backend
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
+        if reason := fp4_gpu_reason(spec, self.name, target):
             return False, reason
-        fmt = spec.fp4_format
-        if fmt is None:
-            return False, "FP4 layer without fp4_format (nvfp4 / mxfp4) in its spec"
-        if spec.group_size != FP4_GROUP_SIZE[fmt]:
-            return False, f"{fmt} has a scale per {FP4_GROUP_SIZE[fmt]} inputs, spec says {spec.group_size}"
-        if fmt == "mxfp4" and spec.act_dtype == "float16":
-            return False, (
-                "MXFP4 with float16 activations: vLLM's Marlin path casts the E8M0 scales to float16, "
-                "which zeroes or overflows every scale outside 2^-24..2^15; a checkpoint whose config.json "
-                "dtype is bfloat16 runs it (the act dtype follows it), or target cpu"
-            )
         if not any(spec.n % tn == 0 and spec.k % tk == 0 for tn, tk in TILE_FAMILIES):
             return False, (
                 f"N={spec.n}, K={spec.k} on this rank fit neither Marlin tile family (N % 64 and K % 128, "

@@ -31,7 +31,6 @@ from typing import Any, ClassVar
 import torch
 
 from kernels.base import (
-    FP4_GROUP_SIZE,
     DecodedLayoutKernel,
     Fp4Weight,
     LinearSpec,
@@ -42,11 +41,11 @@ from kernels.base import (
 )
 from kernels.codecs.bitpack import pack_cols, unpack_cols
 from kernels.errors import LayoutError
-from kernels.fp4_tiles import fp4_tiles
+from kernels.fp4_tiles import fp4_gpu_reason, fp4_tiles
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
-from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
+from kernels.jit import jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig
-from kernels.launch_table import tuned_config
+from kernels.launch_table import bound_configs, tuned_config
 from kernels.targets import gpu_targets
 
 CODES_PER_WORD = 8
@@ -62,21 +61,11 @@ class TileFp4Kernel(DecodedLayoutKernel):
     description: ClassVar[str] = "NVFP4 / MXFP4 weight-only, Kiln row-contiguous layout, Triton GEMV / GEMM"
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
-        if reason := act_dtype_reason(spec.act_dtype, self.name, target):
+        if reason := fp4_gpu_reason(spec, self.name, target):
             return False, reason
-        fmt = spec.fp4_format
-        if fmt is None:
-            return False, "FP4 layer without fp4_format (nvfp4 / mxfp4) in its spec"
-        if spec.group_size != FP4_GROUP_SIZE[fmt]:
-            return False, f"{fmt} has a scale per {FP4_GROUP_SIZE[fmt]} inputs, spec says {spec.group_size}"
         if spec.k % spec.group_size:
-            return False, f"K per rank = {spec.k} is not a multiple of the {fmt} block ({spec.group_size})"
-        if fmt == "mxfp4" and spec.act_dtype == "float16":
-            return False, (
-                "MXFP4 with float16 activations: an E8M0 scale times an E2M1 value leaves float16's range "
-                "(2^-24..2^15) for most exponents; a checkpoint whose config.json dtype is bfloat16 runs "
-                "it (the act dtype follows it), or target cpu"
-            )
+            block = f"{spec.fp4_format} block ({spec.group_size})"
+            return False, f"K per rank = {spec.k} is not a multiple of the {block}"
         return True, ""
 
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
@@ -130,19 +119,12 @@ class TileFp4Kernel(DecodedLayoutKernel):
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """One launch config per (M, device) resolved once per layer."""
         reference = self.reference
-        configs: dict[tuple[int, torch.device], GemmConfig] = {}
+        config = bound_configs(TileFp4Kernel.name, spec.n, spec.k, lambda cfg: _fitted(cfg, spec))
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if not runs_triton(x):
                 return reference(x, tensors, spec)
-            m = x.numel() // spec.k
-            key = (m, x.device)
-            cfg = configs.get(key)
-            if cfg is None:
-                cfg = configs[key] = _fitted(
-                    tuned_config(TileFp4Kernel.name, m, spec.n, spec.k, x.device), spec
-                )
-            return _launch(x, tensors, spec, cfg)
+            return _launch(x, tensors, spec, config(x.numel() // spec.k, x.device))
 
         return run
 

@@ -46,7 +46,7 @@ from kernels.errors import LayoutError
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, fit_to_groups
-from kernels.launch_table import tuned_config
+from kernels.launch_table import bound_configs, tuned_config
 from kernels.targets import GPU_TARGETS
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -153,18 +153,12 @@ class TileWNA16Kernel(DecodedLayoutKernel):
         """The tensors, the offset kind and one launch config per M resolved once per layer."""
         args = _operands(tensors)
         reference = self.reference
-        configs: dict[tuple[int, torch.device], GemmConfig] = {}
+        config = bound_configs(TileWNA16Kernel.name, spec.n, spec.k, lambda cfg: _fitted(cfg, spec))
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if not runs_triton(x):
                 return reference(x, tensors, spec)
-            m = x.numel() // spec.k
-            key = (m, x.device)
-            cfg = configs.get(key)
-            if cfg is None:
-                table = tuned_config(TileWNA16Kernel.name, m, spec.n, spec.k, x.device)
-                cfg = configs[key] = _fitted(table, spec)
-            return _launch(x, args, tensors, spec, cfg)
+            return _launch(x, args, tensors, spec, config(x.numel() // spec.k, x.device))
 
         return run
 
