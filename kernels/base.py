@@ -97,6 +97,11 @@ class LinearSpec:
             object.__setattr__(self, "k_full", self.k)
 
     @property
+    def midpoint_zero(self) -> bool:
+        """An integer layer whose zero is the implicit 2**(bits-1) (no zero points, no minimums)."""
+        return self.symmetric and not self.float_zeros
+
+    @property
     def num_groups(self) -> int:
         """Groups along this rank's K (replicated-scale cases are the kernel's business)."""
         return 1 if self.group_size in (-1, 0) else self.k // self.group_size

@@ -1,9 +1,12 @@
-"""gptq_wna16: int2/4/8 weight-only GEMM on the GPTQ-standard layout (Triton), every GPU target.
+"""gptq_wna16: int2/4/5/6/8 weight-only GEMM on the GPTQ-standard layout (Triton), every GPU target.
 
 The sm75 path, and the fallback for shapes Marlin refuses (N % 64, K % 128, odd group sizes).
 
-Stored tensors (per rank; pf = 32 // bits; G = number of scale groups):
-    qweight  (K // pf, N) int32     codes packed along K, standard order (docs/formats.md §1.1)
+Stored tensors (per rank; b = stored bits: the layer's, 8 for 5/6-bit codes; pf = 32 // b;
+G = number of scale groups):
+    qweight  (K // pf, N) int32     codes packed along K, standard order (docs/formats.md §1.1); 5/6-bit
+                                    codes (GGUF Q5_* / Q6_K) one per byte, symmetric ones at the 8-bit
+                                    midpoint (bitpack.code_shift): exact, run as 8-bit codes
     scales   (G, N)       act dtype dequant multipliers
     qzeros   (G, N // pf) int32     asymmetric only: TRUE zero points (GPTQ v2 semantics), packed along N
     mins     (G, N)       act dtype float-minimum layers only (GGUF Q4_1 / Q4_K), instead of qzeros
@@ -37,14 +40,24 @@ from kernels.base import (
     Target,
     with_bias,
 )
-from kernels.codecs.bitpack import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
+from kernels.codecs.bitpack import (
+    BYTE_STORED_BITS,
+    from_stored_codes,
+    pack_cols,
+    pack_rows,
+    packed_length,
+    stored_bits,
+    to_stored_codes,
+    unpack_cols,
+    unpack_rows,
+)
 from kernels.errors import LayoutError
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, grouped_dot_tile, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
 from kernels.launch import GemmConfig, default_config, fit_to_groups
 from kernels.targets import GPU_TARGETS
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 4, 8, *BYTE_STORED_BITS)
 
 
 class GptqWNA16Kernel(DecodedLayoutKernel):
@@ -53,7 +66,7 @@ class GptqWNA16Kernel(DecodedLayoutKernel):
     schemes: ClassVar[frozenset[str]] = frozenset({"int"})
     targets: ClassVar[frozenset[Target]] = GPU_TARGETS
     elsewhere: ClassVar[str] = "the cpu target uses cpu_int4 / cpu_int8"
-    description: ClassVar[str] = "int2/4/8 weight-only, GPTQ-standard layout, Triton dequant-GEMM"
+    description: ClassVar[str] = "int2/4/5/6/8 weight-only, GPTQ-standard layout, Triton dequant-GEMM"
     takes_float_zeros: ClassVar[bool] = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
@@ -66,7 +79,7 @@ class GptqWNA16Kernel(DecodedLayoutKernel):
             return False, f"gptq_wna16 supports {SUPPORTED_BITS} bits, layer has {spec.bits}"
         if reason := act_dtype_reason(spec.act_dtype, self.name, target):
             return False, reason
-        pf = 32 // spec.bits
+        pf = 32 // stored_bits(spec.bits)
         if spec.k % pf:
             return False, f"K per rank = {spec.k} is not a multiple of {pf} ({spec.bits}-bit codes per int32)"
         if not spec.symmetric and not spec.float_zeros and spec.n % pf:
@@ -78,13 +91,13 @@ class GptqWNA16Kernel(DecodedLayoutKernel):
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
         n, k, act, groups = spec.n, spec.k, spec.torch_act_dtype, spec.scale_groups
         out = {
-            "qweight": StoredTensor((packed_length(k, spec.bits), n), torch.int32),
+            "qweight": StoredTensor((packed_length(k, stored_bits(spec.bits)), n), torch.int32),
             "scales": StoredTensor((groups, n), act),
         }
         if spec.float_zeros:
             out["mins"] = StoredTensor((groups, n), act)
         elif not spec.symmetric:
-            out["qzeros"] = StoredTensor((groups, packed_length(n, spec.bits)), torch.int32)
+            out["qzeros"] = StoredTensor((groups, packed_length(n, stored_bits(spec.bits))), torch.int32)
         if spec.act_order:
             out["g_idx"] = StoredTensor((k,), torch.int32)
         return with_bias(out, spec, act)
@@ -98,11 +111,13 @@ class GptqWNA16Kernel(DecodedLayoutKernel):
             )
         act = spec.torch_act_dtype
         out: dict[str, torch.Tensor] = {
-            "qweight": pack_rows(weight.codes.T, spec.bits),  # (K // pf, N) int32
+            "qweight": pack_rows(
+                to_stored_codes(weight.codes.T, spec.bits, spec.midpoint_zero), stored_bits(spec.bits)
+            ),
             "scales": weight.scales.to(act).contiguous(),  # (G, N)
         }
         if weight.zeros is not None:
-            out["qzeros"] = pack_cols(weight.zeros, spec.bits)  # (G, N // pf) int32
+            out["qzeros"] = pack_cols(weight.zeros, stored_bits(spec.bits))  # (G, N // pf) int32
         if weight.mins is not None:
             out["mins"] = weight.mins.to(act).contiguous()  # (G, N)
         if spec.act_order:
@@ -112,10 +127,13 @@ class GptqWNA16Kernel(DecodedLayoutKernel):
         return out
 
     def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight:
-        codes = unpack_rows(tensors["qweight"].cpu(), spec.bits, spec.k).to(torch.uint8)  # (K, N)
+        wide = stored_bits(spec.bits)
+        codes = from_stored_codes(
+            unpack_rows(tensors["qweight"].cpu(), wide, spec.k), spec.bits, spec.midpoint_zero
+        )
         zeros = None
         if "qzeros" in tensors:
-            zeros = unpack_cols(tensors["qzeros"].cpu(), spec.bits, spec.n).to(torch.uint8)  # (G, N)
+            zeros = unpack_cols(tensors["qzeros"].cpu(), wide, spec.n).to(torch.uint8)  # (G, N)
         g_idx = tensors["g_idx"].cpu() if "g_idx" in tensors else None
         scales = tensors["scales"].cpu()
         mins = tensors["mins"].cpu() if "mins" in tensors else None  # (G, N), float-minimum layers
@@ -188,7 +206,7 @@ def gptq_wna16_gemm(
         _kernel(),
         go.x2, tensors["qweight"], scales, qzeros, go.g_idx, go.run.bias_or(scales), go.run.y,
         go.m, go.n, go.k, go.group,
-        BITS=spec.bits, HAS_ZP="qzeros" in tensors, ACT_ORDER=go.act_order,
+        BITS=stored_bits(spec.bits), HAS_ZP="qzeros" in tensors, ACT_ORDER=go.act_order,
         PER_BLOCK_SCALE=go.per_block_scale,
     )  # fmt: skip
 
@@ -292,5 +310,5 @@ def gptq_wna16_float_min_gemm(
         _float_min_kernel(),
         go.x2, tensors["qweight"], scales, tensors["mins"], go.g_idx, go.run.bias_or(scales), go.run.y,
         go.m, go.n, go.k, go.group,
-        BITS=spec.bits, ACT_ORDER=go.act_order, PER_BLOCK_SCALE=go.per_block_scale,
+        BITS=stored_bits(spec.bits), ACT_ORDER=go.act_order, PER_BLOCK_SCALE=go.per_block_scale,
     )  # fmt: skip

@@ -1,12 +1,15 @@
-"""tile_wna16: int2/4/8 weight-only GEMV / GEMM on Kiln's own GPU layout (Triton), every GPU target.
+"""tile_wna16: int2/4/5/6/8 weight-only GEMV / GEMM on Kiln's own GPU layout (Triton), every GPU target.
 
 Written for `kiln serve` (conversions with `--gpu-layout kiln`); vLLM's plugin runs it with this same
 kernel. Each output row's codes lie contiguous along K, so a program loads every int32 word once and
 unpacks its 32 // bits codes with shifts (the Marlin-layout kernels gather one word per element).
 
-Stored tensors (per rank; pf = 32 // bits; G = K // group_size, 1 channelwise):
+Stored tensors (per rank; b = stored bits: the layer's, 8 for 5/6-bit codes; pf = 32 // b;
+G = K // group_size, 1 channelwise):
     qweight  (N, K // pf) int32   row n's codes packed along K, standard order (code k of the row in
-                                  bits [bits * (k % pf), ...) of word k // pf)
+                                  bits [b * (k % pf), ...) of word k // pf); 5/6-bit codes (GGUF
+                                  Q5_* / Q6_K) one per byte, symmetric ones moved to the 8-bit midpoint
+                                  (bitpack.code_shift): exact, the kernel runs them as 8-bit codes
     scales   (G, N)       act     dequant multipliers
     zeros    (G, N)       uint8   asymmetric only: integer zero points, unpacked
     mins     (G, N)       act     float-minimum layers only (GGUF Q4_1 / Q4_K), instead of zeros
@@ -41,7 +44,14 @@ from kernels.base import (
     Target,
     with_bias,
 )
-from kernels.codecs.bitpack import pack_cols, unpack_cols
+from kernels.codecs.bitpack import (
+    BYTE_STORED_BITS,
+    from_stored_codes,
+    pack_cols,
+    stored_bits,
+    to_stored_codes,
+    unpack_cols,
+)
 from kernels.errors import LayoutError
 from kernels.gemm import GemmLaunch, gemm_rows, gemm_tiles, operand_tiles
 from kernels.jit import act_dtype_reason, jit, runs_triton, triton_builder
@@ -49,7 +59,7 @@ from kernels.launch import GemmConfig, fit_to_groups
 from kernels.launch_table import bound_configs, tuned_config
 from kernels.targets import GPU_TARGETS
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 4, 8, *BYTE_STORED_BITS)
 MIN_BLOCK_K = 16  # tl.dot's smallest K; a group must be a multiple of it
 # OFFSET constexpr of the kernel: where a group's offset comes from
 SYMMETRIC, INT_ZEROS, FLOAT_MINS = 0, 1, 2
@@ -66,7 +76,7 @@ class TileWNA16Kernel(DecodedLayoutKernel):
     targets: ClassVar[frozenset[Target]] = GPU_TARGETS
     kiln_layout: ClassVar[bool] = True
     elsewhere: ClassVar[str] = "the cpu target uses cpu_w4a8 / cpu_int4 / cpu_int8"
-    description: ClassVar[str] = "int2/4/8 weight-only, Kiln row-contiguous layout, Triton GEMV / GEMM"
+    description: ClassVar[str] = "int2/4/5/6/8 weight-only, Kiln row-contiguous layout, Triton GEMV / GEMM"
     takes_float_zeros: ClassVar[bool] = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
@@ -90,7 +100,7 @@ class TileWNA16Kernel(DecodedLayoutKernel):
     def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
         n, k, act, groups = spec.n, spec.k, spec.torch_act_dtype, spec.scale_groups
         out = {
-            "qweight": StoredTensor((n, k * spec.bits // 32), torch.int32),
+            "qweight": StoredTensor((n, k * stored_bits(spec.bits) // 32), torch.int32),
             "scales": StoredTensor((groups, n), act),
         }
         if spec.float_zeros:
@@ -119,7 +129,9 @@ class TileWNA16Kernel(DecodedLayoutKernel):
             codes = codes[:, perm]
             out["perm"] = perm.to(torch.int32)  # (K,)
         out |= {
-            "qweight": pack_cols(codes, spec.bits),  # (N, K // pf) int32
+            "qweight": pack_cols(
+                to_stored_codes(codes, spec.bits, spec.midpoint_zero), stored_bits(spec.bits)
+            ),  # (N, K // pf) int32
             "scales": weight.scales.to(act).contiguous(),  # (G, N)
         }
         if weight.zeros is not None:
@@ -131,7 +143,8 @@ class TileWNA16Kernel(DecodedLayoutKernel):
         return out
 
     def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight:
-        codes = unpack_cols(tensors["qweight"].cpu(), spec.bits, spec.k).to(torch.uint8)  # (N, K)
+        stored = unpack_cols(tensors["qweight"].cpu(), stored_bits(spec.bits), spec.k)
+        codes = from_stored_codes(stored, spec.bits, spec.midpoint_zero)  # (N, K)
         zeros = tensors["zeros"].cpu() if "zeros" in tensors else None
         mins = tensors["mins"].cpu() if "mins" in tensors else None
         g_idx = None
@@ -221,7 +234,7 @@ def _launch(
         _kernel(),
         x2, tensors["qweight"], scales, offsets, run.bias_or(scales), run.y,
         m, spec.n, spec.k, group_of(spec),
-        BITS=spec.bits, OFFSET=kind,
+        BITS=stored_bits(spec.bits), OFFSET=kind,
     )  # fmt: skip
 
 

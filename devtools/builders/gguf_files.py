@@ -104,10 +104,14 @@ def _config_metadata(writer: GGUFWriter, cfg: PretrainedConfig) -> None:
     writer.add_file_type(LlamaFileType.MOSTLY_Q4_0)
 
 
-def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) -> PreTrainedModel:
+def write_llama_gguf(
+    path: Path, model: PreTrainedModel, types: dict[str, Q], *, weight_sized_k: bool = False
+) -> PreTrainedModel:
     """Write `model` (LlamaForCausalLM or Qwen3MoeForCausalLM, default rope, `VOCAB_SIZE` tokens) to
     GGUF `path`; `types` maps a substring of a Hugging Face parameter name to its GGML type (first
-    match; default F32 for 1-D tensors, F16 for the rest). Returns a copy of the model holding the
+    match; default F32 for 1-D tensors, F16 for the rest). K-quant tensors hold random blocks
+    (`random_k_blocks`; `weight_sized_k`: super-block scales giving weights of a trained model's size,
+    |w| ≈ 0.05, so that log-probs stay in a realistic range). Returns a copy of the model holding the
     weights the file decodes to."""
     arch = {"llama": "llama", "qwen3_moe": "qwen3moe"}[model.config.model_type]
     reference = copy.deepcopy(model)
@@ -122,13 +126,20 @@ def write_llama_gguf(path: Path, model: PreTrainedModel, types: dict[str, Q]) ->
             halves = w.chunk(2, dim=1)
             layer = name.removesuffix(FUSED_EXPERTS[0])
             decoded = [
-                _add(writer, f"{layer.replace('model.layers.', 'blk.')}{part}.weight", h, kind, None)
+                _add(
+                    writer,
+                    f"{layer.replace('model.layers.', 'blk.')}{part}.weight",
+                    h,
+                    kind,
+                    None,
+                    weight_sized_k,
+                )
                 for part, h in zip(FUSED_EXPERTS[1], halves, strict=True)
             ]
             decoded_w = torch.cat(decoded, dim=1)
         else:
             n_head = _qk_heads(model, arch, name)
-            decoded_w = _add(writer, gguf_name(name), w, kind, n_head)
+            decoded_w = _add(writer, gguf_name(name), w, kind, n_head, weight_sized_k)
         with torch.no_grad():
             ref_params[name].copy_(decoded_w)
     writer.write_header_to_file()
@@ -150,12 +161,15 @@ def _qk_heads(model: PreTrainedModel, arch: str, name: str) -> int | None:
     return next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
 
 
-def _add(writer: GGUFWriter, name: str, w: torch.Tensor, kind: Q, n_head: int | None) -> torch.Tensor:
+def _add(
+    writer: GGUFWriter, name: str, w: torch.Tensor, kind: Q, n_head: int | None, weight_sized_k: bool = False
+) -> torch.Tensor:
     """Store `w` as `kind` (q/k rows permuted first when `n_head`); the values a reader decodes."""
     stored = permute_qk_rows(w, n_head) if n_head else w
     data = stored.numpy().astype(np.float16 if kind == Q.F16 else np.float32)
     if kind in K_QUANTS:
-        data = random_k_blocks(tuple(w.shape), kind, seed=len(name))
+        d_range = WEIGHT_SIZED_K_SCALES[kind] if weight_sized_k else DEFAULT_K_SCALES
+        data = random_k_blocks(tuple(w.shape), kind, seed=len(name), d_range=d_range)
     elif kind not in (Q.F32, Q.F16):
         data = quantize(np.ascontiguousarray(stored.numpy()), kind)
     writer.add_tensor(name, data, raw_dtype=kind)
@@ -163,17 +177,28 @@ def _add(writer: GGUFWriter, name: str, w: torch.Tensor, kind: Q, n_head: int | 
     return torch.from_numpy(_unpermute(decoded, n_head) if n_head else decoded)
 
 
-def random_k_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
+DEFAULT_K_SCALES = (1e-4, 2e-3)  # fp16 super-block scales d (and dmin) of `random_k_blocks`
+# d ranges giving |w| ≈ 0.05 under random sub-block scales (Q4_K / Q5_K: 6-bit, Q6_K: int8) and codes
+WEIGHT_SIZED_K_SCALES: dict[Q, tuple[float, float]] = {
+    Q.Q4_K: (5e-5, 3e-4),
+    Q.Q5_K: (2.5e-5, 1.5e-4),
+    Q.Q6_K: (1e-5, 6e-5),
+}
+
+
+def random_k_blocks(
+    shape: tuple[int, ...], kind: Q, seed: int, d_range: tuple[float, float] = DEFAULT_K_SCALES
+) -> np.ndarray:
     """Random K-quant blocks (the `gguf` package has no K-quant quantizer): random codes and 6-bit
-    sub-block scales/mins under fp16 super-block scales of a small weight's size; (rows, bytes)."""
+    sub-block scales/mins under fp16 super-block scales drawn from `d_range`; (*shape[:-1], bytes)."""
     block, size = GGML_QUANT_SIZES[kind]
     rows, k = int(np.prod(shape[:-1])), shape[-1]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
     for offset in K_QUANTS[kind]:
-        scale = rng.uniform(1e-4, 2e-3, (raw.shape[0], 1)).astype(np.float16)  # d, dmin
+        scale = rng.uniform(*d_range, (raw.shape[0], 1)).astype(np.float16)  # d, dmin
         raw[:, offset : offset + 2] = scale.view(np.uint8)
-    return raw.reshape(rows, k // block * size)
+    return raw.reshape(*shape[:-1], k // block * size)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

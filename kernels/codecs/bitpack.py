@@ -25,6 +25,37 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("kernels.codecs.bitpack reinterprets bytes as little-endian int32 words")
 
 
+# Code widths with no packing of their own (GGUF Q5_0 / Q5_1 / Q5_K: 5 bits, Q6_K: 6): a layout that
+# takes them stores each code in a byte (8-bit packing), exactly; symmetric codes move to the 8-bit
+# midpoint so that the stored zero is 128, as for any symmetric 8-bit layer.
+BYTE_STORED_BITS = (5, 6)
+
+
+def stored_bits(bits: int) -> int:
+    """The packing width a layer of `bits`-bit codes is stored with (8 for BYTE_STORED_BITS)."""
+    return 8 if bits in BYTE_STORED_BITS else bits
+
+
+def code_shift(bits: int, midpoint_zero: bool) -> int:
+    """What storing `bits`-bit codes at `stored_bits(bits)` adds to each code: a symmetric layer's
+    implicit zero moves from 2**(bits-1) to the stored width's; integer zero points and float
+    minimums keep the codes as they are."""
+    wide = stored_bits(bits)
+    return (1 << (wide - 1)) - (1 << (bits - 1)) if midpoint_zero and wide != bits else 0
+
+
+def to_stored_codes(codes: torch.Tensor, bits: int, midpoint_zero: bool) -> torch.Tensor:
+    """`bits`-bit codes as a layout packing them at `stored_bits(bits)` holds them (`codes` itself
+    when nothing moves)."""
+    shift = code_shift(bits, midpoint_zero)
+    return codes + shift if shift else codes
+
+
+def from_stored_codes(stored: torch.Tensor, bits: int, midpoint_zero: bool) -> torch.Tensor:
+    """The inverse of `to_stored_codes`, as uint8."""
+    return (stored - code_shift(bits, midpoint_zero)).to(torch.uint8)
+
+
 def packed_length(length: int, bits: int) -> int:
     """int32 words that hold `length` values (padded up to a whole pack unit)."""
     _check_bits(bits)

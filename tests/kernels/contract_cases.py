@@ -222,6 +222,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("dense", "dense"),
     Variant("dense-fp32", "dense", exact=False),
     Variant("int4-g32-floatmin", "int", bits=4, group_size=32, symmetric=False, float_zeros=True),
+    Variant("int6-g16-sym", "int", bits=6, group_size=16),  # GGUF Q6_K
+    Variant("int5-g32-sym", "int", bits=5, group_size=32),  # GGUF Q5_0
+    Variant("int5-g32-floatmin", "int", bits=5, group_size=32, symmetric=False, float_zeros=True),  # Q5_K
     Variant(  # GGUF Q4_1: fp16 scales and minimums
         "int4-g32-floatmin-fp16", "int", exact=False, bits=4, group_size=32, symmetric=False, float_zeros=True
     ),

@@ -51,6 +51,8 @@ INT_CASES = {
         IntCase(640, 1280, 4, 40),  # group not a power of two: per-row scale gather
         IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
         IntCase(768, 2048, 4, 32, symmetric=False, act_order=True, float_min=True),  # gathered minimums
+        IntCase(1024, 2048, 6, 16),  # GGUF Q6_K: codes one per byte at the 8-bit midpoint
+        IntCase(1000, 576, 5, 32, symmetric=False, float_min=True),  # GGUF Q5_K
     ],
     "tile_wna16": [
         IntCase(1024, 2048, 4, 128),
@@ -59,6 +61,8 @@ INT_CASES = {
         IntCase(512, 2048, 2, 64, symmetric=False),
         IntCase(1000, 576, 4, 32, symmetric=False, float_min=True),  # GGUF Q4_1 / Q4_K (SmolLM2's K)
         IntCase(2048, 1024, 4, 128, symmetric=False, act_order=True),  # K sorted by group, x gathered
+        IntCase(1024, 2048, 6, 16),  # GGUF Q6_K
+        IntCase(768, 2048, 6, 16, symmetric=False, float_min=True),  # Q4_K_M's joint qkv (Q4_K + Q6_K)
     ],
     "int8_w8a8": [  # its twin quantizes the activations per token as the kernel does
         IntCase(1024, 2048, 8, -1, int8_activations=True),

@@ -5,8 +5,10 @@ scale) and Q8_0 (int8, group 32, fp16 scale), which every integer kernel takes; 
 (int4, group 32, a float minimum per group: x = s * q + m), which only kernels that take a float
 zero hold (`LinearKernel.takes_float_zeros`: on CPU `cpu_int4`, whose fp32 zero offsets keep m
 exact, the scale rounded to bf16 as for every checkpoint, recorded as `max_step_err`); Q5_0 / Q5_1
-/ Q5_K (5-bit) and Q6_K (6-bit, a scale per 16), which no packed kernel takes: on CPU they run
-dense (fp32, lossless, as 3-bit GPTQ does), on a GPU they find no kernel and the plan says why.
+/ Q5_K (5-bit) and Q6_K (6-bit, a scale per 16): on a GPU the Triton integer kernels store their
+codes one per byte (exact), on CPU no packed kernel takes them and they run dense (fp32, lossless,
+as 3-bit GPTQ does). Fused layers / expert groups mixing types (Q4_K_M) re-encode into one joint
+quantization (services/convert/formats/joint.py).
 F32 / F16 / BF16 tensors are dense. Other block types (Q2_K, Q3_K, IQ*, …) are refused with the
 list of what is supported. With `--method fp8` every layer is dequantized exactly (fp32,
 `dequantize_gguf`) and re-quantized to FP8 online (the way onto GPUs for what no GPU kernel takes),

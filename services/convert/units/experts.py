@@ -28,6 +28,7 @@ from runtime.model_layout import ExpertGroupLayout, ModelConfig, RowRange, exper
 from services.convert.checkpoint import Checkpoint
 from services.convert.errors import ConversionError
 from services.convert.formats.base import CheckpointFormat, LayerQuant
+from services.convert.formats.joint import joint_quant, re_encode
 from services.convert.tp import fuse, interleave_halves, pad_weight, slice_cols, slice_rows
 from services.convert.units.base import (
     HEADER_ENTRY_BYTES,
@@ -52,7 +53,7 @@ class ExpertGroupUnit:
     section: ClassVar[str] = "expert_groups"
 
     layout: ExpertGroupLayout
-    quant: LayerQuant  # as stored, agreed by every expert's three projections
+    quant: LayerQuant  # as stored, agreed by every expert's three projections (or their joint one)
     target_quant: LayerQuant  # what the artifact holds (online FP8 changes dense -> fp8)
     specs: list[MoESpec]  # one per rank
     kernel: MoEKernel
@@ -61,6 +62,8 @@ class ExpertGroupUnit:
     source_tensors: list[str]
     expert_parallel: bool
     source_label: str = ""  # the source encoding when the scheme does not say it (a GGUF block type)
+    # gate / up / down's own quantization when they differ (`quant` is their joint one); else empty
+    part_quants: tuple[LayerQuant, ...] = ()
 
     @property
     def name(self) -> str:
@@ -178,9 +181,12 @@ class ExpertGroupUnit:
     def _decode_expert(self, files: RankFiles, expert: int) -> Expert:
         group = self.layout
         modules = [group.module(expert, part) for part in range(3)]
-        names = [n for m in modules for n in files.fmt.source_tensors(m, self.quant)]
+        own = self.part_quants or (self.quant,) * 3
+        names = [n for m, q in zip(modules, own, strict=True) for n in files.fmt.source_tensors(m, q)]
         tensors = files.ckpt.read(names)
-        weights = [files.fmt.decode(m, self.quant, tensors) for m in modules]
+        weights = [files.fmt.decode(m, q, tensors) for m, q in zip(modules, own, strict=True)]
+        if self.part_quants:
+            weights = [re_encode(w, self.quant, m) for m, w in zip(modules, weights, strict=True)]
         expected = [(group.intermediate, group.hidden)] * 2 + [(group.hidden, group.intermediate)]
         for part, (w, want) in enumerate(zip(weights, expected, strict=True)):
             what = f"expert group {group.name}: expert {expert}'s {PART_NAMES[part]} projection"
@@ -266,10 +272,10 @@ class ExpertGroupKind:
 
 def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
     group = _as_named_in(ctx.ckpt, group)
-    quant = _expert_quant(ctx.fmt, group)
+    quant, part_quants = _expert_quant(ctx.fmt, group)
     online = ctx.online_fp8
     tq = online if online is not None and quant.scheme == "dense" else quant
-    sources = _expert_sources(ctx.fmt, ctx.ckpt, group, quant)
+    sources = _expert_sources(ctx.fmt, ctx.ckpt, group, part_quants or (quant,) * 3)
     biased = ctx.ckpt.has(f"{group.module(0, 0)}.bias")
     specs = [
         _moe_spec(ctx.model, group, tq, r, ctx.tp, ctx.expert_parallel, ctx.act_dtype, biased)
@@ -286,7 +292,7 @@ def plan_experts(ctx: PlanContext, group: ExpertGroupLayout) -> ExpertGroupUnit:
     labels = dict.fromkeys(ctx.fmt.source_label(group.module(0, part)) for part in range(3))
     return ExpertGroupUnit(
         group, quant, tq, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
-        ctx.expert_parallel, " + ".join(label for label in labels if label),
+        ctx.expert_parallel, " + ".join(label for label in labels if label), part_quants,
     )  # fmt: skip
 
 
@@ -301,28 +307,43 @@ def _as_named_in(ckpt: Checkpoint, group: ExpertGroupLayout) -> ExpertGroupLayou
     return group
 
 
-def _expert_quant(fmt: CheckpointFormat, group: ExpertGroupLayout) -> LayerQuant:
-    """The one quantization every expert's gate / up / down shares, or a clear refusal."""
-    first: tuple[str, LayerQuant] | None = None
+def _expert_quant(
+    fmt: CheckpointFormat, group: ExpertGroupLayout
+) -> tuple[LayerQuant, tuple[LayerQuant, ...]]:
+    """The one quantization every expert's gate / up / down shares and, when the three parts differ
+    (GGUF Q4_K_M: Q6_K down beside Q4_K gate / up), each part's own (re-encoded into the joint one at
+    conversion); a clear refusal when experts differ or the parts re-encode into no joint one."""
+    firsts: list[tuple[str, LayerQuant]] = []
     for e in range(group.num_experts):
         w13, w2 = group.w13(e), group.w2(e)
         for part, layout in ((0, w13), (1, w13), (2, w2)):
             module = group.module(e, part)
             q = fmt.layer_quant(module, layout)
-            if first is None:
-                first = (module, q)
-            elif q != first[1]:
+            if e == 0:
+                firsts.append((module, q))
+            elif q != firsts[part][1]:
                 raise UnsupportedError(
                     f"expert group {group.name}: expert {e}'s {PART_NAMES[part]} projection ({module}) is "
-                    f"{q.describe()} but {first[0]} is {first[1].describe()}; every expert of a layer must "
-                    "be quantized alike (check the quantization config's ignore / targets / dynamic rules)"
+                    f"{q.describe()} but {firsts[part][0]} is {firsts[part][1].describe()}; every expert "
+                    "of a layer must be quantized alike (check the quantization config's ignore / targets / "
+                    "dynamic rules)"
                 )
-    assert first is not None
-    return first[1]
+    parts = tuple(q for _, q in firsts)
+    if all(q == parts[0] for q in parts):
+        return parts[0], ()
+    joint = joint_quant(parts)
+    if joint is None:
+        detail = ", ".join(f"{PART_NAMES[i]} {q.describe()}" for i, q in enumerate(parts))
+        raise UnsupportedError(
+            f"expert group {group.name}: the experts' projections are quantized differently ({detail}); "
+            "they must be quantized alike, or all be grouped integer weights without zero points or "
+            "act-order (re-encoded into one exactly)"
+        )
+    return joint, parts
 
 
 def _expert_sources(
-    fmt: CheckpointFormat, ckpt: Checkpoint, group: ExpertGroupLayout, quant: LayerQuant
+    fmt: CheckpointFormat, ckpt: Checkpoint, group: ExpertGroupLayout, part_quants: tuple[LayerQuant, ...]
 ) -> list[str]:
     names: list[str] = []
     present = {name.rsplit(".", 1)[0] for name in ckpt.tensors}  # every module with a tensor
@@ -334,7 +355,7 @@ def _expert_sources(
                     f"expert group {group.name}: expert {e} is missing ({module} has no tensors in the "
                     f"checkpoint; config.json says {group.num_experts} experts per layer)"
                 )
-            names += fmt.source_tensors(module, quant)
+            names += fmt.source_tensors(module, part_quants[part])
     return names
 
 

@@ -1,9 +1,10 @@
 """Linear layers as plan units: every q/k/v/o, gate/up/down projection (q/k/v and gate/up fused), the
 MoE routers and lm_head, one kernel each.
 
-Planning: the shards of a fused layer must be quantized alike; the per-rank `LinearSpec`s follow
-`runtime.model_layout.rank_shape`; the registry picks the kernel (and says whether the layer fell
-back because of its shape), which must take every rank's shape.
+Planning: the shards of a fused layer are quantized alike, or re-encode exactly into one joint
+integer quantization (services/convert/formats/joint.py: GGUF Q4_K_M's Q4_K q/k beside a Q6_K v);
+the per-rank `LinearSpec`s follow `runtime.model_layout.rank_shape`; the registry picks the kernel
+(and says whether the layer fell back because of its shape), which must take every rank's shape.
 
 Conversion: read the layer's source tensors (positioned reads into one buffer / ranged GETs), decode
 every shard into a canonical weight, then per TP rank slice + fuse (a view when the shards lie back
@@ -36,6 +37,7 @@ from runtime.model_layout import LinearLayout, ModelConfig, linear_layouts, rank
 from services.convert.cpu_defaults import head_not_16_bit
 from services.convert.errors import VerificationError
 from services.convert.formats.base import DENSE, CheckpointFormat, LayerQuant
+from services.convert.formats.joint import joint_quant, re_encode
 from services.convert.heap import release_freed_heap
 from services.convert.tp import fuse, slice_cols, slice_rows
 from services.convert.units.base import (
@@ -65,7 +67,7 @@ class LinearUnit:
     section: ClassVar[str] = "layers"
 
     layout: LinearLayout
-    quant: LayerQuant  # as stored in the checkpoint (agreed by every shard)
+    quant: LayerQuant  # as stored in the checkpoint (agreed by every shard, or their joint one)
     target_quant: LayerQuant  # what the artifact holds (online FP8 changes dense -> fp8)
     specs: list[LinearSpec]  # one per TP rank
     kernel: LinearKernel
@@ -73,6 +75,8 @@ class LinearUnit:
     fallback: bool
     source_tensors: list[str]
     source_label: str = ""  # the source encoding when the scheme does not say it (a GGUF block type)
+    # each shard's own quantization when they differ (`quant` is then their joint one); else empty
+    shard_quants: tuple[LayerQuant, ...] = ()
 
     @property
     def online(self) -> bool:
@@ -105,7 +109,14 @@ class LinearUnit:
 
     def convert(self, files: RankFiles) -> LayerEntry:
         tensors = files.ckpt.read(self.source_tensors)
-        shards = [files.fmt.decode(s.module, self.quant, tensors) for s in self.layout.shards]
+        own = self.shard_quants or (self.quant,) * len(self.layout.shards)
+        shards = [
+            files.fmt.decode(s.module, q, tensors) for s, q in zip(self.layout.shards, own, strict=True)
+        ]
+        if self.shard_quants:
+            shards = [
+                re_encode(w, self.quant, s.module) for s, w in zip(self.layout.shards, shards, strict=True)
+            ]
         del tensors
         release_freed_heap()  # the read buffers and the decoders' temporaries, before the layout work
         for shard, w in zip(self.layout.shards, shards, strict=True):
@@ -196,7 +207,7 @@ class LinearKind:
 
 def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     head = HEAD_QUANT_LAYERS.get(ctx.quantize_head or "") if layout.name == "lm_head" else None
-    quant = _head_source_quant(ctx, layout) if head else _agree(ctx.fmt, layout)
+    quant, shard_quants = (_head_source_quant(ctx, layout), ()) if head else _agree(ctx.fmt, layout)
     online = head or ctx.online_fp8
     # lm_head and MoE routers stay in the checkpoint's precision, as vLLM leaves them (unless
     # --quantize-head asks for the head)
@@ -205,7 +216,10 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     assert target_quant is not None
     if head is None and takes_int8_activations(target_quant, ctx.int8_activation_bits):
         target_quant = dataclasses.replace(target_quant, int8_activations=True)
-    sources = [t for s in layout.shards for t in ctx.fmt.source_tensors(s.module, quant)]
+    own = shard_quants or (quant,) * len(layout.shards)
+    sources = [
+        t for s, q in zip(layout.shards, own, strict=True) for t in ctx.fmt.source_tensors(s.module, q)
+    ]
     has_bias = all(ctx.ckpt.has(f"{s.module}.bias") for s in layout.shards)
     specs = rank_specs(layout, target_quant, ctx.model, ctx.tp, ctx.act_dtype, has_bias)
     _check_fp8_blocks(layout, specs[0], ctx.tp)
@@ -219,7 +233,7 @@ def plan_linear(ctx: PlanContext, layout: LinearLayout) -> LinearUnit:
     labels = dict.fromkeys(ctx.fmt.source_label(s.module) for s in layout.shards)
     return LinearUnit(
         layout, quant, target_quant, specs, choice.kernel, choice.rejected, choice.shape_fallback, sources,
-        " + ".join(label for label in labels if label),
+        " + ".join(label for label in labels if label), shard_quants,
     )  # fmt: skip
 
 
@@ -248,16 +262,22 @@ def _head_source_quant(ctx: PlanContext, layout: LinearLayout) -> LayerQuant:
     return DENSE
 
 
-def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> LayerQuant:
+def _agree(fmt: CheckpointFormat, layout: LinearLayout) -> tuple[LayerQuant, tuple[LayerQuant, ...]]:
+    """The layer's quantization and, when its shards differ, each shard's own (re-encoded into the
+    joint one at conversion)."""
     quants = [(s.module, fmt.layer_quant(s.module, layout)) for s in layout.shards]
     first = quants[0][1]
-    if any(q != first for _, q in quants[1:]):
+    if all(q == first for _, q in quants[1:]):
+        return first, ()
+    joint = joint_quant([q for _, q in quants])
+    if joint is None:
         detail = ", ".join(f"{m}: {q.describe()}" for m, q in quants)
         raise UnsupportedError(
             f"the shards of fused layer {layout.name} are quantized differently ({detail}); all shards of "
-            "qkv_proj / gate_up_proj must share scheme, bits, group size and ignore status"
+            "qkv_proj / gate_up_proj must share scheme, bits, group size and ignore status, or all be "
+            "grouped integer weights without zero points or act-order (re-encoded into one exactly)"
         )
-    return first
+    return joint, tuple(q for _, q in quants)
 
 
 def rank_specs(
