@@ -763,8 +763,8 @@ def tile_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str]
     table = [(e.m_max, e.config) for e in LAUNCH_TABLE if e.kernel == "tile_wna16"]
     swept = [(m, c) for m, cands in SWEEP.items() for c in cands]
     variants = [(4, tile_wna16.SYMMETRIC), (4, tile_wna16.INT_ZEROS), (8, tile_wna16.SYMMETRIC)]
-    if not quick:
-        variants.append((4, tile_wna16.FLOAT_MINS))
+    if not quick:  # float minimums (GGUF Q4_1 / Q4_K; 5/6-bit ones run as 8-bit), value tables (NF4 / FP4)
+        variants += [(4, tile_wna16.FLOAT_MINS), (8, tile_wna16.FLOAT_MINS), (4, tile_wna16.CODEBOOK)]
     out: list[tuple[str, int, Any, dict[str, str], dict[str, Any], Any]] = []
     for arch in (75, 80, 86, 89, 90) if not quick else (80, 90):
         act = "fp16" if arch == 75 else "bf16"
@@ -772,8 +772,10 @@ def tile_compile_matrix(quick: bool) -> list[tuple[str, int, Any, dict[str, str]
             configs = table
             if not quick and arch in (80, 90) and (bits, offset) == (4, tile_wna16.SYMMETRIC):
                 configs = table + swept
-            off = "*u8" if offset == tile_wna16.INT_ZEROS else f"*{act}"
-            sig = {"X": f"*{act}", "QW": "*i32", "S": f"*{act}", "OFF": off, "BIAS": f"*{act}",
+            table_layer = offset == tile_wna16.CODEBOOK  # fp32 absmax and value table
+            off = "*u8" if offset == tile_wna16.INT_ZEROS else "*fp32" if table_layer else f"*{act}"
+            scales = "*fp32" if table_layer else f"*{act}"
+            sig = {"X": f"*{act}", "QW": "*i32", "S": scales, "OFF": off, "BIAS": f"*{act}",
                    "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32", "group_size": "i32"}  # fmt: skip
             for m_max, cfg in configs:
                 split = cfg.split_k if cfg.split_k > 0 else 4

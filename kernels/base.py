@@ -91,6 +91,9 @@ class LinearSpec:
     # A layout value shared by every expert of a group, set by the converter from all of them before
     # any is prepared (`LinearKernel.group_statistic`): marlin_fp4's NVFP4 scale factor. 0: none.
     group_scale_factor: float = 0.0
+    # The codes index a 16-entry value table stored with the layer (bitsandbytes NF4 / FP4): names it
+    # ("nf4", "fp4"); w = table[q] * scale. "": uniform integer codes.
+    codebook: str = ""
 
     def __post_init__(self) -> None:
         if self.k_full == 0:
@@ -122,7 +125,10 @@ class LinearSpec:
         d = dataclasses.asdict(self)
         d["block_size"] = list(self.block_size) if self.block_size else None
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
-        optional = ("int8_activations", "float_zeros", "fp4_format", "fp4_activations", "group_scale_factor")
+        optional = (
+            "int8_activations", "float_zeros", "fp4_format", "fp4_activations", "group_scale_factor",
+            "codebook",
+        )  # fmt: skip
         for flag in optional:
             if not d[flag]:
                 del d[flag]  # absent = False / None: manifests written before the field stay valid
@@ -144,13 +150,15 @@ class LinearSpec:
 @dataclass
 class IntWeight:
     """Integer weight-only quantization, unpacked. w = (codes - zeros[g]) * scales[g], or with a
-    float minimum per group w = codes * scales[g] + mins[g].
+    float minimum per group w = codes * scales[g] + mins[g], or with a value table (bitsandbytes
+    NF4 / FP4) w = codebook[codes] * scales[g].
 
     codes  (N, K) uint8, unsigned codes in [0, 2**bits)
     scales (G, N) float (checkpoint dtype), G = K // group_size (1 for channelwise)
     zeros  (G, N) uint8 unsigned zero points, or None when symmetric (zero = 2**(bits-1))
     g_idx  (K,) int32 group of each input channel, or None when g_idx[k] == k // group_size
     mins   (G, N) float minimums (GGUF Q4_1 `m`, Q4_K `-dmin * m`), or None; never with zeros
+    codebook (2**bits,) float32 value of every code, or None; never with zeros or mins
     """
 
     codes: torch.Tensor
@@ -161,6 +169,7 @@ class IntWeight:
     g_idx: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -183,7 +192,7 @@ class IntWeight:
 
         return IntWeight(
             self.codes[rows], self.scales[:, rows], self.bits, self.group_size,
-            cols(self.zeros), self.g_idx, None, cols(self.mins),
+            cols(self.zeros), self.g_idx, None, cols(self.mins), self.codebook,
         )  # fmt: skip
 
     def dequantize_to(self, dtype: torch.dtype) -> torch.Tensor:
@@ -204,6 +213,8 @@ class IntWeight:
         """(N, K) float32."""
         gi = self.group_index()
         s = self.scales.float()[gi].T  # (N, K)
+        if self.codebook is not None:
+            return self.codebook.float()[self.codes.long()] * s
         if self.mins is not None:
             return self.codes.float() * s + self.mins.float()[gi].T
         z = (
@@ -406,6 +417,7 @@ class LinearKernel(ABC):
     targets: ClassVar[frozenset[Target]]
     elsewhere: ClassVar[str] = ""  # where the layers it refuses run instead, for refusal messages
     takes_float_zeros: ClassVar[bool] = False  # integer layers with a float minimum (IntWeight.mins)
+    takes_codebook: ClassVar[bool] = False  # integer layers whose codes index a value table (NF4 / FP4)
     # Activation dtype its fast CPU path takes (torch's int4 / int8 ops are vectorized for bf16 only);
     # the loader runs a CPU model in bf16 when every layer's kernel prefers it.
     cpu_act_dtype: ClassVar[torch.dtype] = torch.float32
@@ -445,6 +457,11 @@ class LinearKernel(ABC):
         if spec.scheme not in self.schemes:
             kinds = " / ".join(SCHEME_WORDS.get(s, s) for s in sorted(self.schemes))
             return False, f"{self.name} takes {kinds} weights only, not scheme {spec.scheme!r}"
+        if spec.codebook and not self.takes_codebook:
+            return False, (
+                f"{self.name} takes uniform integer codes only; this layer's codes index a "
+                f"{spec.codebook} value table (bitsandbytes 4-bit)"
+            )
         if spec.float_zeros and not self.takes_float_zeros:
             return False, (
                 f"{self.name} takes integer zero points only; this layer's zero is a float minimum per "

@@ -57,6 +57,7 @@ class DenseKernel(LinearKernel):
     stores_plain_weight = True
     description = "torch linear on the (dequantized) weight: act dtype on GPU, fp32 on cpu"
     takes_float_zeros = True
+    takes_codebook = True
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
         if spec.scheme == "dense" or target is Target.CPU:

@@ -48,6 +48,7 @@ KERNELS: tuple[str, ...] = (
     "kernels.tile_wna16:TileWNA16Kernel",
     "kernels.marlin_wna16:MarlinWNA16Kernel",
     "kernels.tile_fp4:TileFp4Kernel",
+    "kernels.tile_lut4:TileLut4Kernel",
     "kernels.marlin_fp4:MarlinFp4Kernel",
     "kernels.gptq_wna16:GptqWNA16Kernel",
     "kernels.fp8_marlin:Fp8MarlinKernel",
@@ -57,6 +58,7 @@ KERNELS: tuple[str, ...] = (
     "kernels.cpu_w8a8:CpuW8A8Kernel",
     "kernels.cpu_int8:CpuInt8Kernel",
     "kernels.cpu_fp4:CpuFp4Kernel",
+    "kernels.cpu_lut4:CpuLut4Kernel",
     "kernels.cpu_fp8:CpuFp8Kernel",
     "kernels.dense:DenseKernel",
 )

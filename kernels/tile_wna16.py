@@ -13,10 +13,13 @@ G = K // group_size, 1 channelwise):
     scales   (G, N)       act     dequant multipliers
     zeros    (G, N)       uint8   asymmetric only: integer zero points, unpacked
     mins     (G, N)       act     float-minimum layers only (GGUF Q4_1 / Q4_K), instead of zeros
+    codebook (16,)        fp32    value-table layers only (bitsandbytes NF4 / FP4, `tile_lut4`): the
+                                  value of every code; their scales (the absmax) stay fp32
     perm     (K,)         int32   act-order only: the input channels sorted by group (stable); qweight's
                                   column j holds channel perm[j], so K block j // group is group j
     bias     (N,)         act     optional
-    w[n, k] = (code - zero) * scale, symmetric zero = 2 ** (bits - 1); float minimum: code * scale + min.
+    w[n, k] = (code - zero) * scale, symmetric zero = 2 ** (bits - 1); float minimum: code * scale + min;
+    value table: codebook[code] * scale.
 
 Each K block lies inside one group, so per block the kernel multiplies codes as integers and applies
 the group once: acc += scale * (x · codes) + offset * sum(x), offset = -zero * scale (or the minimum).
@@ -61,8 +64,9 @@ from kernels.targets import GPU_TARGETS
 
 SUPPORTED_BITS = (2, 4, 8, *BYTE_STORED_BITS)
 MIN_BLOCK_K = 16  # tl.dot's smallest K; a group must be a multiple of it
-# OFFSET constexpr of the kernel: where a group's offset comes from
-SYMMETRIC, INT_ZEROS, FLOAT_MINS = 0, 1, 2
+# OFFSET constexpr of the kernel: where a group's offset comes from (CODEBOOK: none, the codes index
+# a value table)
+SYMMETRIC, INT_ZEROS, FLOAT_MINS, CODEBOOK = 0, 1, 2, 3
 
 
 def group_of(spec: LinearSpec) -> int:
@@ -101,9 +105,11 @@ class TileWNA16Kernel(DecodedLayoutKernel):
         n, k, act, groups = spec.n, spec.k, spec.torch_act_dtype, spec.scale_groups
         out = {
             "qweight": StoredTensor((n, k * stored_bits(spec.bits) // 32), torch.int32),
-            "scales": StoredTensor((groups, n), act),
+            "scales": StoredTensor((groups, n), torch.float32 if spec.codebook else act),
         }
-        if spec.float_zeros:
+        if spec.codebook:
+            out["codebook"] = StoredTensor((1 << spec.bits,), torch.float32)
+        elif spec.float_zeros:
             out["mins"] = StoredTensor((groups, n), act)
         elif not spec.symmetric:
             out["zeros"] = StoredTensor((groups, n), torch.uint8)
@@ -132,8 +138,14 @@ class TileWNA16Kernel(DecodedLayoutKernel):
             "qweight": pack_cols(
                 to_stored_codes(codes, spec.bits, spec.midpoint_zero), stored_bits(spec.bits)
             ),  # (N, K // pf) int32
-            "scales": weight.scales.to(act).contiguous(),  # (G, N)
+            "scales": weight.scales.to(torch.float32 if spec.codebook else act).contiguous(),  # (G, N)
         }
+        if spec.codebook:
+            if weight.codebook is None:
+                raise LayoutError(
+                    f"{spec.name}: spec names value table {spec.codebook!r}, the weight has none"
+                )
+            out["codebook"] = weight.codebook.float().contiguous()  # (2**bits,)
         if weight.zeros is not None:
             out["zeros"] = weight.zeros.to(torch.uint8).contiguous()  # (G, N)
         if weight.mins is not None:
@@ -153,7 +165,17 @@ class TileWNA16Kernel(DecodedLayoutKernel):
             codes = torch.empty_like(codes).index_copy_(1, perm, codes)
             g_idx = torch.empty(spec.k, dtype=torch.int32)
             g_idx[perm] = (torch.arange(spec.k) // group_of(spec)).to(torch.int32)
-        return IntWeight(codes, tensors["scales"].cpu(), spec.bits, spec.group_size, zeros, g_idx, mins=mins)
+        codebook = tensors["codebook"].cpu() if "codebook" in tensors else None
+        return IntWeight(
+            codes,
+            tensors["scales"].cpu(),
+            spec.bits,
+            spec.group_size,
+            zeros,
+            g_idx,
+            mins=mins,
+            codebook=codebook,
+        )
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         if not runs_triton(x):
@@ -179,6 +201,8 @@ class TileWNA16Kernel(DecodedLayoutKernel):
 def _operands(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(scales, the offset tensor or a placeholder, OFFSET kind)."""
     scales = tensors["scales"]
+    if "codebook" in tensors:
+        return scales, tensors["codebook"], CODEBOOK
     if "mins" in tensors:
         return scales, tensors["mins"], FLOAT_MINS
     if "zeros" in tensors:
@@ -268,22 +292,32 @@ def _kernel(tl: ModuleType) -> Any:
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))  # code k = word * PF + field
             g = (it * BLOCK_K) // group_size
             s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if OFFSET == 2:
-                o = tl.load(OFF + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            elif OFFSET == 1:
-                o = -tl.load(OFF + g * N + offs_n, mask=mask_n, other=0).to(tl.float32) * s
-            else:
-                o = -(1 << (BITS - 1)) * s
             xf = x.to(tl.float32)
-            x_sum = tl.sum(xf, axis=1)  # (BM,)
-            if BLOCK_M == 1:  # GEMV: one row, multiply and reduce
-                part = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # (1, BN)
+            if OFFSET == 3:  # value table: w = codebook[q] * s, no offset
+                v = tl.load(OFF + q)  # (BN, BK) fp32, 16 values: served from L1
+                if BLOCK_M == 1:
+                    acc += tl.sum(v * xf, axis=1)[None, :] * s[None, :]
+                else:
+                    w = v * s[:, None]
+                    if not BF16_INTERP:
+                        w = w.to(x.dtype)  # the dequantized weight in the act dtype, as bitsandbytes has it
+                    acc += tl.dot(x, tl.trans(w))
             else:
-                w = q.to(tl.float32)
-                if not BF16_INTERP:
-                    w = w.to(x.dtype)  # integers below 256: exact in bf16 / fp16
-                part = tl.dot(x, tl.trans(w))  # (BM, BN)
-            acc += part * s[None, :] + x_sum[:, None] * o[None, :]
+                if OFFSET == 2:
+                    o = tl.load(OFF + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                elif OFFSET == 1:
+                    o = -tl.load(OFF + g * N + offs_n, mask=mask_n, other=0).to(tl.float32) * s
+                else:
+                    o = -(1 << (BITS - 1)) * s
+                x_sum = tl.sum(xf, axis=1)  # (BM,)
+                if BLOCK_M == 1:  # GEMV: one row, multiply and reduce
+                    part = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # (1, BN)
+                else:
+                    w = q.to(tl.float32)
+                    if not BF16_INTERP:
+                        w = w.to(x.dtype)  # integers below 256: exact in bf16 / fp16
+                    part = tl.dot(x, tl.trans(w))  # (BM, BN)
+                acc += part * s[None, :] + x_sum[:, None] * o[None, :]
 
         store_tile(acc, Y, BIAS, offs_m, offs_n, mask_m, mask_n, N, pid_k, HAS_BIAS, SPLIT_K, BF16_INTERP)
 

@@ -64,6 +64,7 @@ class LinearSpecValues(_Strict):
     fp4_format: Literal["nvfp4", "mxfp4"] | None = None
     fp4_activations: bool = False
     group_scale_factor: Annotated[float, Field(ge=0.0, le=2.0**64)] = 0.0
+    codebook: Literal["", "nf4", "fp4"] = ""
 
 
 class MoESpecValues(_Strict):

@@ -29,6 +29,7 @@ FORMATS: tuple[str, ...] = (
     "services.convert.formats.gguf:GgufFormat",
     "services.convert.formats.gptq:GptqFormat",
     "services.convert.formats.awq:AwqFormat",
+    "services.convert.formats.bitsandbytes:BitsAndBytesFormat",
     "services.convert.formats.modelopt:ModelOptFormat",
     "services.convert.formats.fp8:Fp8Format",
     "services.convert.formats.gpt_oss_mxfp4:GptOssMxfp4Format",
@@ -39,7 +40,6 @@ FORMATS: tuple[str, ...] = (
 
 BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(import_object, FORMATS))  # type: ignore[arg-type]
 KNOWN_UNSUPPORTED = {
-    "bitsandbytes": "bitsandbytes checkpoints are not supported (dequantize to bf16 and use --method fp8)",
     "hqq": "HQQ checkpoints are not supported",
     "eetq": "EETQ checkpoints are not supported",
     "aqlm": "AQLM checkpoints are not supported",

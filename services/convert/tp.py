@@ -32,6 +32,7 @@ def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
             g_idx=w.g_idx,
             bias=bias,
             mins=None if w.mins is None else w.mins[:, s:e],
+            codebook=w.codebook,
         )
     if isinstance(w, Fp8Weight):
         n = w.weight.shape[0]
@@ -81,7 +82,9 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
             zeros = None if w.zeros is None else w.zeros[s // gs : e // gs]
             mins = None if w.mins is None else w.mins[s // gs : e // gs]
             g_idx = None
-        return IntWeight(w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias, mins)
+        return IntWeight(
+            w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias, mins, w.codebook
+        )
     if isinstance(w, Fp8Weight):
         scale = w.scale
         if w.strategy == "block":
@@ -125,6 +128,11 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
                 )
             if (p.zeros is None) != (ints[0].zeros is None) or (p.mins is None) != (ints[0].mins is None):
                 raise ConversionError(f"shards {names[0]} and {name} disagree on zero points")
+            if not _same_codebook(p.codebook, ints[0].codebook):
+                raise ConversionError(
+                    f"shards {names[0]} and {name} have different value tables (quant_map); a fused layer "
+                    "needs one (re-quantize them with the same bitsandbytes quant type)"
+                )
         return IntWeight(
             codes=torch.cat([p.codes for p in ints]),
             scales=torch.cat([p.scales for p in ints], dim=1),
@@ -134,6 +142,7 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
             g_idx=ints[0].g_idx,
             bias=bias,
             mins=None if ints[0].mins is None else torch.cat([p.mins for p in ints], dim=1),  # type: ignore[misc]
+            codebook=ints[0].codebook,
         )
     if all(isinstance(p, Fp8Weight) for p in parts):
         fps: list[Fp8Weight] = parts  # type: ignore[assignment]
@@ -227,7 +236,7 @@ def interleave_halves(w: SourceWeight, name: str) -> SourceWeight:
         return IntWeight(
             w.codes[order], w.scales[:, order], w.bits, w.group_size,
             None if w.zeros is None else w.zeros[:, order], w.g_idx, bias,
-            None if w.mins is None else w.mins[:, order],
+            None if w.mins is None else w.mins[:, order], w.codebook,
         )  # fmt: skip
     if isinstance(w, Fp8Weight):
         if w.strategy == "block":
@@ -259,3 +268,7 @@ def pad_weight(w: SourceWeight, n: int, k: int, name: str) -> SourceWeight:
     if isinstance(w, DenseWeight):
         return DenseWeight(torch.nn.functional.pad(w.weight, (0, k - k0, 0, n - n0)), bias)
     raise UnsupportedError(f"{name}: a {type(w).__name__} is not padded by any layout (only MXFP4 experts)")
+
+
+def _same_codebook(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -179,6 +179,10 @@ def compare_int_stored(
         return None
     if not torch.equal(stored.group_index(), source.group_index()):
         return None
+    if (stored.codebook is None) != (source.codebook is None) or (
+        stored.codebook is not None and not torch.equal(stored.codebook, source.codebook.float())  # type: ignore[union-attr]
+    ):
+        return None
     scales = (source.scales, source.scales.to(act_dtype))
     if not any(s.dtype == stored.scales.dtype and torch.equal(s, stored.scales) for s in scales):
         return None
@@ -192,6 +196,8 @@ def rounding_allowance(source: IntWeight, gi: torch.Tensor, step: torch.Tensor) 
     the layout stores m (gptq_wna16) and q - mid where it keeps mid * s + m exact (cpu_int4), so
     max(q, |q - mid|) * SCALE_ROUNDING_REL, plus |m| / s * MIN_ROUNDING_REL for a rounded m."""
     codes = source.codes.float()
+    if source.codebook is not None:  # w = table[q] * s: |table[q]| steps of the rounded scale
+        return source.codebook.float()[source.codes.long()].abs() * SCALE_ROUNDING_REL
     mid = torch.full_like(step, float(1 << (source.bits - 1)))
     if source.mins is not None:
         scale_part = torch.maximum(codes, (codes - mid).abs()) * SCALE_ROUNDING_REL

@@ -97,7 +97,11 @@ _AWQ_GEMV = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": 
 @pytest.mark.parametrize(
     ("base", "quant", "match"),
     [
-        ("bf16", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+        (
+            "bf16",
+            {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"},
+            "'int4'",
+        ),
         ("bf16", {"quant_method": "hqq"}, "HQQ"),
         ("bf16", {"quant_method": "mystery"}, "'mystery' is not supported"),
         ("awq-gemm", _AWQ_GEMV, "GEMV"),

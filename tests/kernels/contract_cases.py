@@ -72,6 +72,7 @@ class Variant:
     # A float minimum per group instead of integer zero points (GGUF Q4_1 / Q4_K; symmetric=False).
     float_zeros: bool = False
     fp4_format: Fp4Format | None = None
+    codebook: str = ""  # the codes index bitsandbytes' value table of this name (NF4 / FP4)
 
     def spec(
         self, n: int, k: int, act_dtype: str, *, name: str, shards: tuple[ShardSpec, ...], bias: bool
@@ -94,6 +95,7 @@ class Variant:
             shards=shards,
             float_zeros=self.float_zeros,
             fp4_format=self.fp4_format,
+            codebook=self.codebook,
         )
 
     def weight(self, n: int, k: int, *, shards: tuple[ShardSpec, ...], bias: bool, seed: int) -> SourceWeight:
@@ -114,6 +116,9 @@ class Variant:
             w.bias = _bias(n, seed) if bias else None
             if self.float_zeros:
                 w.mins = _mins(w.scales.shape, scale_dtype, seed)
+            if self.codebook:  # fp32 absmax, as bitsandbytes stores them
+                w.codebook = NF4_VALUES
+                w.scales = w.scales.float()
             return w
         if self.scheme == "fp8":
             fw = self._fp8_weight(n, k, shards, seed)
@@ -190,6 +195,15 @@ def _bias(n: int, seed: int) -> torch.Tensor:
     return (torch.randint(-128, 128, (n,), generator=gen) * 2.0**-6).to(torch.bfloat16)
 
 
+# bitsandbytes' NF4 table (its quant_map), as fp32
+NF4_VALUES = torch.tensor(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+     0.7229568362236023, 1.0],
+    dtype=torch.float32,
+)  # fmt: skip
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("int4-g64-sym", "int", bits=4, group_size=64),
     Variant("int4-g128-asym", "int", bits=4, group_size=128, symmetric=False),
@@ -225,6 +239,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("int6-g16-sym", "int", bits=6, group_size=16),  # GGUF Q6_K
     Variant("int5-g32-sym", "int", bits=5, group_size=32),  # GGUF Q5_0
     Variant("int5-g32-floatmin", "int", bits=5, group_size=32, symmetric=False, float_zeros=True),  # Q5_K
+    Variant("nf4-g64", "int", exact=False, bits=4, group_size=64, codebook="nf4"),  # bitsandbytes
     Variant(  # GGUF Q4_1: fp16 scales and minimums
         "int4-g32-floatmin-fp16", "int", exact=False, bits=4, group_size=32, symmetric=False, float_zeros=True
     ),

@@ -38,7 +38,8 @@ FP4_ENCODINGS = {"nvfp4": "E2M1 + E4M3/16 + fp32 global", "mxfp4": "E2M1 + E8M0/
 
 SUPPORTED_FORMATS_MESSAGE = (
     "Kiln supports: GPTQ (2/4/8-bit, checkpoint_format gptq or gptq_v2, sym/asym, act-order), "
-    "AWQ-GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16/W8A16 (sym/asym, "
+    "AWQ-GEMM 4-bit with zero points, bitsandbytes 4-bit (NF4 / FP4, double-quantized or not) and 8-bit "
+    "(LLM.int8), compressed-tensors pack-quantized W4A16/W8A16 (sym/asym, "
     "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8 (W8A16, or W8A8 "
     "with dynamic per-token int8 activations), Fp8Config FP8 (per-tensor or block), NVIDIA ModelOpt "
     "FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / NVFP4 / W4A16_NVFP4 (and MIXED_PRECISION of those), "
@@ -61,6 +62,7 @@ class LayerQuant:
     float_zeros: bool = False  # a float minimum per group (w = q * s + m), not an integer zero point
     fp4_format: Fp4Format | None = None
     fp4_activations: bool = False  # a W4A4 checkpoint (FP4 activations declared)
+    codebook: str = ""  # the codes index this value table (bitsandbytes "nf4" / "fp4"), stored per layer
 
     def spec_fields(self) -> dict[str, Any]:
         """The `kernels.base.LinearSpec` fields this quantization sets (each field has one name in both)."""
@@ -77,6 +79,8 @@ class LayerQuant:
             extra = f" {self.block_size[0]}x{self.block_size[1]}" if self.block_size else ""
             return f"fp8 {self.fp8_strategy}{extra}"
         g = "channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
+        if self.codebook:
+            return f"{self.codebook} (int{self.bits} codes into a value table) {g}"
         parts = [
             f"int{self.bits}",
             g,

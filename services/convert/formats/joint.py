@@ -30,7 +30,11 @@ def joint_quant(quants: Sequence[LayerQuant]) -> LayerQuant | None:
     if all(q == first for q in quants):
         return first
     re_encodable = all(
-        q.scheme == "int" and not q.act_order and q.group_size > 0 and (q.symmetric or q.float_zeros)
+        q.scheme == "int"
+        and not q.act_order
+        and not q.codebook
+        and q.group_size > 0
+        and (q.symmetric or q.float_zeros)
         for q in quants
     )
     if not re_encodable or len({q.int8_activations for q in quants}) > 1:
@@ -48,7 +52,7 @@ def joint_quant(quants: Sequence[LayerQuant]) -> LayerQuant | None:
 
 def re_encode(w: SourceWeight, lq: LayerQuant, module: str) -> IntWeight:
     """`w` (one decoded part) in the joint quantization `lq`, value for value."""
-    if not isinstance(w, IntWeight) or w.zeros is not None or w.g_idx is not None:
+    if not isinstance(w, IntWeight) or w.zeros is not None or w.g_idx is not None or w.codebook is not None:
         raise UnsupportedError(f"layer {module}: only grouped integer weights without zero points re-encode")
     reps = w.group_size // lq.group_size
     scales = w.scales.float().repeat_interleave(reps, 0)  # (G', N)

@@ -1,0 +1,126 @@
+"""cpu_lut4: bitsandbytes NF4 / FP4 weight-only GEMM on CPU, lossless.
+
+The codes index a 16-entry value table (the checkpoint's `quant_map`) and each group (bitsandbytes'
+block of 64) has an fp32 absmax: w = codebook[q] * absmax. The layer keeps its codes two per byte,
+its absmax and its table; `apply` widens the weight to fp32 (codebook[q] * absmax, the exact values
+bitsandbytes' dequantization computes before rounding them to its compute dtype) and runs one fp32
+GEMM: the model runs fp32 activations (`cpu_act_dtype`), which torch's CPU GEMM takes at full speed
+on every ISA. No value-table GEMV kernel exists yet: a call costs a dequantization of the layer.
+
+Stored tensors:
+    qweight   (N, K // 2) uint8       codes, two per byte (code k of a row in the low nibble when k is even)
+    scales    (N, K // group) float32 absmax of each group (double-quantized ones decoded in fp32)
+    codebook  (16,) float32           value of every code
+    bias      (N,) float32            optional
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.base import (
+    CpuKernel,
+    IntWeight,
+    LinearSpec,
+    RowBlocks,
+    SourceWeight,
+    StoredTensor,
+    Target,
+    row_block_slices,
+    with_bias,
+)
+
+CODE_BITS = 4
+
+
+class CpuLut4Kernel(CpuKernel):
+    name = "cpu_lut4"
+    layout_version = 1
+    schemes = frozenset({"int"})
+    takes_codebook = True
+    cpu_act_dtype = torch.float32
+    description = (
+        "NF4 / FP4 value-table weight-only (bitsandbytes), codes + fp32 absmax (lossless), bf16 GEMM"
+    )
+
+    def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
+        if not spec.codebook:
+            return False, "cpu_lut4 takes value-table (bitsandbytes NF4 / FP4) layers only"
+        if spec.bits != CODE_BITS or spec.group_size <= 0 or spec.k % spec.group_size or spec.k % 2:
+            return False, (
+                f"cpu_lut4 takes 4-bit codes in groups dividing K (got {spec.bits}-bit, group "
+                f"{spec.group_size}, K={spec.k})"
+            )
+        if spec.act_order:
+            return False, "cpu_lut4 takes no act-order layers"
+        return True, ""
+
+    def stored_tensors(self, spec: LinearSpec, target: Target) -> dict[str, StoredTensor]:
+        out = {
+            "qweight": StoredTensor((spec.n, spec.k // 2), torch.uint8),
+            "scales": StoredTensor((spec.n, spec.k // spec.group_size), torch.float32),
+            "codebook": StoredTensor((1 << CODE_BITS,), torch.float32),
+        }
+        return with_bias(out, spec, torch.float32)
+
+    def prepare(self, weight: SourceWeight, spec: LinearSpec, target: Target) -> dict[str, torch.Tensor]:
+        w = self.prepare_input(weight, IntWeight, spec, group_map=True)
+        assert w.codebook is not None, spec.name  # can_implement takes value-table layers only
+        codes = w.codes
+        tensors = {
+            "qweight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),  # (N, K // 2) uint8
+            "scales": w.scales.float().T.contiguous(),  # (N, K // group)
+            "codebook": w.codebook.float().contiguous(),  # (16,)
+        }
+        if w.bias is not None:
+            tensors["bias"] = w.bias.float().contiguous()
+        return tensors
+
+    def stored_int_weight(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> IntWeight:
+        return IntWeight(
+            _codes(tensors["qweight"]), tensors["scales"].T, CODE_BITS, spec.group_size,
+            codebook=tensors["codebook"],
+        )  # fmt: skip
+
+    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        for rows in row_block_slices(spec.n, spec.k):
+            yield rows, _values(tensors, rows, spec.group_size)
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        out = torch.empty((spec.n, spec.k), dtype=torch.float32)
+        for rows, block in self.dequantized_rows(tensors, spec):
+            out[rows] = block
+        return out
+
+    def bind_apply(
+        self, tensors: dict[str, torch.Tensor], spec: LinearSpec
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        bias, group, everything = tensors.get("bias"), spec.group_size, slice(0, spec.n)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            lead = x.shape[:-1]
+            w = _values(tensors, everything, group)  # (N, K) fp32
+            y = torch.nn.functional.linear(x.reshape(-1, spec.k).float(), w)
+            if bias is not None:
+                y = y + bias
+            return y.to(x.dtype).reshape(*lead, spec.n)
+
+        return run
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
+        return self.bind_apply(tensors, spec)(x)
+
+
+def _codes(qweight: torch.Tensor) -> torch.Tensor:
+    """(R, K // 2) uint8 -> (R, K) uint8 codes."""
+    return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def _values(tensors: dict[str, torch.Tensor], rows: slice, group: int) -> torch.Tensor:
+    """(R, K) float32 weight of output rows `rows`: codebook[q] * absmax."""
+    codes = _codes(tensors["qweight"][rows])
+    r, k = codes.shape
+    values = tensors["codebook"][codes.long()].view(r, k // group, group)
+    return (values * tensors["scales"][rows, :, None]).view(r, k)
