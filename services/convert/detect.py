@@ -28,6 +28,7 @@ ENTRY_POINT_GROUP = "kiln.formats"
 FORMATS: tuple[str, ...] = (
     "services.convert.formats.gguf:GgufFormat",
     "services.convert.formats.gptq:GptqFormat",
+    "services.convert.formats.auto_round:AutoRoundFormat",
     "services.convert.formats.awq:AwqFormat",
     "services.convert.formats.bitsandbytes:BitsAndBytesFormat",
     "services.convert.formats.modelopt:ModelOptFormat",
@@ -40,6 +41,9 @@ FORMATS: tuple[str, ...] = (
 
 BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(import_object, FORMATS))  # type: ignore[arg-type]
 KNOWN_UNSUPPORTED = {
+    "torchao": "TorchAO checkpoints (tensor-subclass serialization) are not supported",
+    "quark": "AMD Quark checkpoints are not supported",
+    "deepspeedfp": "DeepSpeedFP checkpoints are not supported",
     "hqq": "HQQ checkpoints are not supported",
     "eetq": "EETQ checkpoints are not supported",
     "aqlm": "AQLM checkpoints are not supported",

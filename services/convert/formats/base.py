@@ -38,6 +38,7 @@ FP4_ENCODINGS = {"nvfp4": "E2M1 + E4M3/16 + fp32 global", "mxfp4": "E2M1 + E8M0/
 
 SUPPORTED_FORMATS_MESSAGE = (
     "Kiln supports: GPTQ (2/4/8-bit, checkpoint_format gptq or gptq_v2, sym/asym, act-order), "
+    "AutoRound (integer auto_round:auto_gptq / auto_awq packings), "
     "AWQ-GEMM 4-bit with zero points, bitsandbytes 4-bit (NF4 / FP4, double-quantized or not) and 8-bit "
     "(LLM.int8), compressed-tensors pack-quantized W4A16/W8A16 (sym/asym, "
     "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8 (W8A16, or W8A8 "
