@@ -34,6 +34,7 @@ FORMATS: tuple[str, ...] = (
     "services.convert.formats.modelopt:ModelOptFormat",
     "services.convert.formats.fp8:Fp8Format",
     "services.convert.formats.quark:QuarkFormat",
+    "services.convert.formats.torchao:TorchAoFormat",
     "services.convert.formats.gpt_oss_mxfp4:GptOssMxfp4Format",
     "services.convert.formats.compressed_tensors:CompressedTensorsFormat",
     "services.convert.formats.dense:DenseFormat",
@@ -42,7 +43,6 @@ FORMATS: tuple[str, ...] = (
 
 BUILTIN_FORMATS: tuple[type[CheckpointFormat], ...] = tuple(map(import_object, FORMATS))  # type: ignore[arg-type]
 KNOWN_UNSUPPORTED = {
-    "torchao": "TorchAO checkpoints (tensor-subclass serialization) are not supported",
     "deepspeedfp": "DeepSpeedFP checkpoints are not supported",
     "hqq": "HQQ checkpoints are not supported",
     "eetq": "EETQ checkpoints are not supported",

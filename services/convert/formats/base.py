@@ -44,7 +44,8 @@ SUPPORTED_FORMATS_MESSAGE = (
     "act-order), float-quantized FP8 (tensor/channel/block) and int-quantized int8 (W8A16, or W8A8 "
     "with dynamic per-token int8 activations), Fp8Config FP8 (per-tensor or block), NVIDIA ModelOpt "
     "FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / NVFP4 / W4A16_NVFP4 (and MIXED_PRECISION of those), "
-    "AMD Quark FP8 (per-tensor / per-channel e4m3 weights), llama.cpp GGUF (Q4_0 / Q4_1 / Q5_0 / Q5_1 / "
+    "AMD Quark FP8 (per-tensor / per-channel e4m3 weights), TorchAO IntxWeightOnly (int2-int8) / "
+    "Int8WeightOnly, llama.cpp GGUF (Q4_0 / Q4_1 / Q5_0 / Q5_1 / "
     "Q8_0 / Q4_K / Q5_K / Q6_K, mixed as in Q4_K_M), "
     "and unquantized bf16/fp16/fp32 checkpoints (optionally quantized to FP8 online with --method fp8)"
 )
