@@ -50,6 +50,8 @@ VOLATILE = ("created_at", "kiln_version")
 # rejected; every id and every other file hashed as before.
 # Re-recorded for cpu_w4a8 (ahead of cpu_int4 on the cpu target): the cpu manifests list it where it was
 # tried and rejected; every id and every other file hashed as before.
+# Re-recorded for the value-table kernels (tile_lut4, cpu_lut4; bitsandbytes NF4 / FP4): manifests list
+# them where they were tried and rejected; every id and every other file hashed as before.
 GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
     "awq-sm86": (
         "ka-ac0fa56edf1b0b0109461cbfb47e70b8",
@@ -58,7 +60,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "6481a8474360de3ee5ace55228668263b001250f5414866665a7f9aa76bf4575",
         },
-        "f5749c0c13d66cf527d304934858a37819112c6df416a7a2ed090de5ab063c1e",
+        "cba114b6cfd3cd352067763e6204f18e860408cf52f48e63a43f722686d1c6a0",
     ),
     "bf16-cpu": (
         "ka-cf13b7df242e17f0ce87b0e6160629e5",
@@ -67,7 +69,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ab7fa77ca9d4e9cacd7e8016d5dc27dad98f5fe6bf52c55c749197468deac076",
         },
-        "11d516e7df39a8aa8edefa4457744b77c662f8d0f572574527bef5acc1153240",
+        "c62fbb3d3f460477c01081e95d70bf29ba6e6f34c20e839d9de9691e9906b39e",
     ),
     "bf16-online-fp8-block-sm90": (
         "ka-688bb92963cc77683ec180159a0a5536",
@@ -76,7 +78,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "778cc5abe0e7949a3cb311c1d9f567e85f98bef2a0962fa1245c3978feafa020",
+        "efece0652a4297df5ebdd0bf0bc0c07a44dfbf1178e421d116c46ceda0aa64bd",
     ),
     "bf16-online-fp8-channel-cpu-tp2": (
         "ka-c465615c11b05c2584d506abb3769ece",
@@ -86,7 +88,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "12af9619de0ce49a8bb18837404b83686df19c07477d44a060431dd8b6f4fb3f",
             "rank1.safetensors": "cf222571178cd3dcc14175031732b42a450134e9c379cf1ed5ce491387e2c419",
         },
-        "4017e2fdbe2c2d2d9e0f9abbfb0e6c89cc5b8dbc62128210b6c5c663f458f991",
+        "7ca33a8724b4c5bd4287c924ebae45c634618449a6496ce942dfba4350e1a05f",
     ),
     "ct-fp8-channel-sm90": (
         "ka-977641b5c6484e4f118257781f6b0f43",
@@ -95,7 +97,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ae4d4f0f866d28f8d2feb7e68131c1ff61333a6e0288960c12649495f6c44cb7",
         },
-        "8c6cb4b5eac59b183e82532c9f8815860659844870632d335c89422b0f47d2ce",
+        "f287f4c248f2972bd357c1a42c3641dd3a17cd8d83679ebd336ee34880906500",
     ),
     "ct-int8-cpu": (
         "ka-fd4b8b37f02ee15c87bfb75425ddab3f",
@@ -104,7 +106,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "1f84b41adcec155ae35734536612c7f30d8f9e3c074d93e9406ac8b0fd898ccb",
         },
-        "505719d2998e87f3ddecf94ce5a1c1b0016399cb6fab783bcbd14182310f7a4c",
+        "9b8b3ea4ecb36db03c42d5ac75e52b2da991e7a52bebd6d6d9b21a614431623b",
     ),
     "ct-w8a16-sm90": (
         "ka-45af177d9859d6543090386a710ee3d2",
@@ -113,7 +115,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "c1c34b84965ec46ae617135477557988d1306ae9fab0a875eeab316ce3763e47",
         },
-        "bcd543b1996d937bc30769b1e344c0a2ccb8a02ff1a62bc32f38169fe8428c42",
+        "b210d58d38e151a0caa381f3ce9556a5a511f6d33bc871b5a8839beb37b33ac5",
     ),
     "fp8-block-sm89": (
         "ka-01f6a58482df1c3488687267d19921c3",
@@ -122,7 +124,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "88654309bd0df33fd364b4687d43721cc410323f83bd8a6d708feb17cf11d932",
         },
-        "1ef8d66f3611e26df4341b49907282e2da5499d99018d1f822fb9b13aaa78000",
+        "a876ddf5eae8ee570078d20392baf17d4a3ea05e8c4ca3a40094d661a258dd54",
     ),
     "fp8-tensor-cpu": (
         "ka-b3e9e1e303c1f0a9501905f5b6204959",
@@ -131,7 +133,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "735bff3b14f77cfcb700d1317b2ba7b4c341776b2332aeb4d0f8505e80c0eb0d",
         },
-        "1eb0af06fb04f374c122bcdd2736c07af34936af2fcc07493a42752dc9dbcb30",
+        "c0dc9cf00e647a1228535a0daeec37d8c3c5ab8a69dd1ecead5eac4b9ea2419c",
     ),
     "fp8-tensor-sm80": (
         "ka-5b4ab84727511955b97b6ebdb7e43ace",
@@ -140,7 +142,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "ef331ab737201ee823a3916d9ec31cac4a8c35b73407ee78149a702b23eeb79f",
         },
-        "31c54768382bdaba47e525a89ddc22b7f019b2d25a251e9dab7000ce7a000cf3",
+        "b877343634de0eee741ad93beffe7b7a0cf6935bea3eac16c218733ad7326b6d",
     ),
     "gptq-actorder-sm80": (
         "ka-7594563bb9504ece340365b974e4d1fc",
@@ -149,7 +151,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "97efe509531b44176bb120c250e281dc33564f906c79f73f77636e9ef374cc75",
         },
-        "eaef63b2746acd531347893577099b8478325bfd98b0a4a9ecf460dbcd6c2778",
+        "ccf3255b0049f548afbbc3a8f7d81da97d31f5f9d6e22cae4e7bd79beeaf17f9",
     ),
     "gptq-asym-sm75": (
         "ka-e7b0f7d16cbfcc22dfec9272ed9106fd",
@@ -158,7 +160,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "generation_config.json": "610a792707d2c3418ab43ee5b2aa4a33c13ab2cc7a1070307e4f52f7e96ad49d",
             "rank0.safetensors": "0fc2208fc2692348a4b76ab08a441e9563cedde0d78c241164735bbaecb6440b",
         },
-        "9004c051dbf258c6277ee94f505a17fe8a7d27835f57de3a65a41cb6768efee4",
+        "f21d802e0d7794d2f2f3365a9fd806fdf234e75aa6948aeae6415acffef27d60",
     ),
     "gptq-asym-sm80-tp2": (
         "ka-0d5f457c1fddbe0b810327b6ce884409",
@@ -168,7 +170,7 @@ GOLDEN: dict[str, tuple[str, dict[str, str], str]] = {
             "rank0.safetensors": "67d852d990fc557d5fb0121315ad6c38f5d9cc8caff0323513ac9e23a0ae7730",
             "rank1.safetensors": "1e87616a71da745e4da9a90701d652a3b386f8f50102ddfb1cf7c433668b522e",
         },
-        "8474ea134886f321575b56df04b1d692baa5963bb7ca63d5829d24a063bc1fe7",
+        "67c117b9f921eb6f63ba6277f111a60049c31b1b694a011519aab14bdf091bc1",
     ),
 }
 

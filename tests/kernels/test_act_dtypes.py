@@ -22,6 +22,7 @@ from kernels.cpu_fp4 import CpuFp4Kernel
 from kernels.cpu_fp8 import CpuFp8Kernel
 from kernels.cpu_int4 import CpuInt4Kernel
 from kernels.cpu_int8 import CpuInt8Kernel
+from kernels.cpu_lut4 import CpuLut4Kernel
 from kernels.cpu_w4a8 import CpuW4A8Kernel
 from kernels.cpu_w8a8 import CpuW8A8Kernel
 from kernels.dense import DenseKernel
@@ -68,6 +69,12 @@ def _fp4() -> tuple[LinearKernel, SourceWeight, LinearSpec]:
     return CpuFp4Kernel(), w, spec
 
 
+def _lut4() -> tuple[LinearKernel, SourceWeight, LinearSpec]:
+    w = int_weight(N, K, bits=4, group_size=64)
+    w.codebook, w.scales = torch.linspace(-1, 1, 16), w.scales.float()  # a value table, fp32 absmax
+    return CpuLut4Kernel(), w, int_spec(w, codebook="nf4")
+
+
 CPU_CASES = {
     "dense": _dense,
     "cpu_int4": _int(4, CpuInt4Kernel()),
@@ -76,6 +83,7 @@ CPU_CASES = {
     "cpu_w8a8": _int(8, CpuW8A8Kernel(), int8_activations=True),
     "cpu_fp8": _fp8,
     "cpu_fp4": _fp4,
+    "cpu_lut4": _lut4,
 }
 
 

@@ -45,6 +45,7 @@ class IntCase:
     act_order: bool = False
     int8_activations: bool = False
     float_min: bool = False  # w = q * s + m with a float minimum per group (GGUF Q4_1 / Q4_K)
+    codebook: str = ""  # w = table[q] * s (bitsandbytes NF4: the table is its quant_map, s fp32 absmax)
 
     def spec(self, dtype: torch.dtype, *, k_full: int = 0, row_parallel: bool = False) -> LinearSpec:
         return LinearSpec(
@@ -62,6 +63,7 @@ class IntCase:
             act_dtype=DTYPE_NAMES[dtype],
             int8_activations=self.int8_activations,
             float_zeros=self.float_min,
+            codebook=self.codebook,
         )
 
     def weight(self, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> IntWeight:
@@ -82,6 +84,9 @@ class IntCase:
         if self.act_order:
             g_idx = (torch.randperm(k, generator=gen) // self.group_size).to(torch.int32)
         bias = torch.randn(n, generator=gen)
+        if self.codebook:  # NF4's normal-quantile table, an absmax of unit-ish weights
+            table = torch.erfinv(torch.linspace(-0.9, 0.9, 1 << bits, dtype=torch.float64)).float()
+            return IntWeight(codes, scales * 4, bits, self.group_size, bias=bias.to(dtype), codebook=table)
         return IntWeight(
             codes=codes,
             scales=scales.to(dtype),

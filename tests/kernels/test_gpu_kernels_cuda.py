@@ -36,6 +36,10 @@ pytestmark = [
 
 MS = (1, 33, 200)  # the three M buckets of the dequant launch configs (compile time stays bounded)
 INT_CASES = {
+    "tile_lut4": [
+        IntCase(1024, 2048, 4, 64, codebook="nf4"),  # bitsandbytes' blocksize
+        IntCase(1000, 576, 4, 64, codebook="nf4"),  # N that no tile divides
+    ],
     "marlin_wna16": [
         IntCase(1024, 2048, 4, 128),
         IntCase(768, 4096, 4, 128, symmetric=False, act_order=True),

@@ -41,7 +41,7 @@ INT8_W8A8 = spec(bits=8, group_size=-1, int8_activations=True)  # int8 activatio
 FP8 = spec("fp8", bits=8, group_size=-1, fp8_strategy="channel")
 DENSE = spec("dense", bits=16, group_size=-1)
 FP4 = spec("fp4", group_size=16, fp4_format="nvfp4")
-ALL_CPU_QUANTIZED = ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8"]
+ALL_CPU_QUANTIZED = ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_lut4", "cpu_fp8"]
 
 
 @pytest.fixture(autouse=True)
@@ -79,12 +79,13 @@ def test_candidates_follow_priority_and_kernels_carry_their_registered_names() -
         (spec(int8_activations=True), "cpu_w4a8", []),
         (INT8_CHANNEL, "cpu_int8", ["cpu_w4a8", "cpu_int4", "cpu_w8a8"]),
         (INT8_W8A8, "cpu_w8a8", ["cpu_w4a8", "cpu_int4"]),
-        (FP8, "cpu_fp8", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4"]),
+        (FP8, "cpu_fp8", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_lut4"]),
         (DENSE, "dense", ALL_CPU_QUANTIZED),
         (INT8_GROUPED, "dense", ALL_CPU_QUANTIZED),
         (spec(n=40), "dense", ALL_CPU_QUANTIZED),  # N % 16: the int4 pack refuses
         (spec(bits=3), "dense", ALL_CPU_QUANTIZED),
         (FP4, "cpu_fp4", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8"]),
+        (spec(codebook="nf4"), "cpu_lut4", ["cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4"]),
     ],
 )
 def test_cpu_choose_first_fit_and_record_rejections(
@@ -264,6 +265,7 @@ _AMPERE = (
     "tile_wna16",
     "marlin_wna16",
     "tile_fp4",
+    "tile_lut4",
     "marlin_fp4",
     "gptq_wna16",
     "fp8_marlin",
@@ -275,8 +277,8 @@ EXPECTED_PRIORITY = {
     Target.SM89: ("fp8_w8a8", *_AMPERE),
     Target.SM86: _AMPERE,
     Target.SM80: _AMPERE,
-    Target.SM75: ("tile_wna16", "gptq_wna16", "fp8_w8a16", "dense"),
-    Target.CPU: ("cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_fp8", "dense"),
+    Target.SM75: ("tile_wna16", "tile_lut4", "gptq_wna16", "fp8_w8a16", "dense"),
+    Target.CPU: ("cpu_w4a8", "cpu_int4", "cpu_w8a8", "cpu_int8", "cpu_fp4", "cpu_lut4", "cpu_fp8", "dense"),
 }
 THROWAWAY_KERNEL = """
 import torch

@@ -91,8 +91,18 @@ def test_vllm_versions_outside_the_tested_range_are_refused_unless_allowed(
     check_vllm_version("0.32.3")
     with pytest.raises(UnsupportedVllmError, match=r"tested with vLLM 0\.32\.x; this is vLLM 0\.31\.1"):
         check_vllm_version("0.31.1")
+    with pytest.raises(UnsupportedVllmError, match=r"this is vLLM 0\.34\.0"):
+        check_vllm_version("0.34.0")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-    check_vllm_version("0.33.0")
+    check_vllm_version("0.34.0")
+
+
+def test_vllm_0_33_whose_interfaces_were_compared_loads_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="runtime.vllm_plugin.compat"):
+        check_vllm_version("0.33.0")
+    assert "has not served an artifact" in caplog.text
 
 
 def test_a_model_dtype_a_layer_cannot_take_is_refused_naming_layer_kernel_and_dtype(tmp_path: Path) -> None:
