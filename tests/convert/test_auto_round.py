@@ -1,4 +1,4 @@
-"""AutoRound checkpoints written by auto-round 0.16 itself (RTN, `iters=0`, on CPU) in its own format:
+"""AutoRound checkpoints written by auto-round 0.15 itself (RTN, `iters=0`, on CPU) in its own format:
 symmetric exports pack AutoGPTQ's layout ("auto_round:auto_gptq"), asymmetric ones AutoAWQ's
 ("auto_round:auto_awq"). Each plans for sm80, sm90 and cpu; every layer of the artifacts equals
 auto-round's own dequantization (its QuantLinear's forward / its AWQ `dequantize_gemm`); the CPU

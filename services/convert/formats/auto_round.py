@@ -1,4 +1,4 @@
-"""Intel AutoRound checkpoints in its own format (quant_method "auto-round"), as auto-round 0.16
+"""Intel AutoRound checkpoints in its own format (quant_method "auto-round"), as auto-round 0.15
 writes them and vLLM's AutoRoundConfig reads them.
 
 `packing_format` names the tensor layout: "auto_round:auto_gptq" (symmetric exports) is AutoGPTQ's
