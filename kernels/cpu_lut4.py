@@ -5,7 +5,10 @@ block of 64) has an fp32 absmax: w = codebook[q] * absmax. The layer keeps its c
 its absmax and its table; `apply` widens the weight to fp32 (codebook[q] * absmax, the exact values
 bitsandbytes' dequantization computes before rounding them to its compute dtype) and runs one fp32
 GEMM: the model runs fp32 activations (`cpu_act_dtype`), which torch's CPU GEMM takes at full speed
-on every ISA. No value-table GEMV kernel exists yet: a call costs a dequantization of the layer.
+on every ISA. The dequantization reads each byte's two values from a 256-entry table (`pair_table`,
+one `embedding` lookup per byte: 6x faster than unpacking the codes and gathering each). No
+value-table GEMV kernel exists yet: a call still costs a dequantization of the layer (2048 x 2048 at
+M = 1: ≈ 6.5 ms against 0.5 ms for the dense fp32 GEMV, AMD EPYC AVX2).
 
 Stored tensors:
     qweight   (N, K // 2) uint8       codes, two per byte (code k of a row in the low nibble when k is even)
@@ -85,8 +88,9 @@ class CpuLut4Kernel(CpuKernel):
         )  # fmt: skip
 
     def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
+        pairs = pair_table(tensors["codebook"])
         for rows in row_block_slices(spec.n, spec.k):
-            yield rows, _values(tensors, rows, spec.group_size)
+            yield rows, _values(tensors["qweight"][rows], tensors["scales"][rows], pairs, spec.group_size)
 
     def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
         out = torch.empty((spec.n, spec.k), dtype=torch.float32)
@@ -97,11 +101,12 @@ class CpuLut4Kernel(CpuKernel):
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        bias, group, everything = tensors.get("bias"), spec.group_size, slice(0, spec.n)
+        bias, group = tensors.get("bias"), spec.group_size
+        qweight, scales, pairs = tensors["qweight"], tensors["scales"], pair_table(tensors["codebook"])
 
         def run(x: torch.Tensor) -> torch.Tensor:
             lead = x.shape[:-1]
-            w = _values(tensors, everything, group)  # (N, K) fp32
+            w = _values(qweight, scales, pairs, group)  # (N, K) fp32
             y = torch.nn.functional.linear(x.reshape(-1, spec.k).float(), w)
             if bias is not None:
                 y = y + bias
@@ -118,9 +123,14 @@ def _codes(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
 
 
-def _values(tensors: dict[str, torch.Tensor], rows: slice, group: int) -> torch.Tensor:
-    """(R, K) float32 weight of output rows `rows`: codebook[q] * absmax."""
-    codes = _codes(tensors["qweight"][rows])
-    r, k = codes.shape
-    values = tensors["codebook"][codes.long()].view(r, k // group, group)
-    return (values * tensors["scales"][rows, :, None]).view(r, k)
+def pair_table(codebook: torch.Tensor) -> torch.Tensor:
+    """(256, 2) float32: the values of the two codes of every byte (low nibble first)."""
+    byte = torch.arange(256)
+    return torch.stack((codebook.float()[byte & 15], codebook.float()[byte >> 4]), dim=-1)
+
+
+def _values(qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, group: int) -> torch.Tensor:
+    """(R, K) float32 weight of (R, K // 2) packed rows: codebook[q] * absmax."""
+    r, k = qweight.shape[0], qweight.shape[1] * 2
+    values = torch.nn.functional.embedding(qweight.int(), pairs).view(r, k // group, group)
+    return values.mul_(scales[:, :, None]).view(r, k)
