@@ -70,6 +70,7 @@ class Variant:
     backend: str = "triton"  # fp8_w8a8 only: "triton" or "scaled_mm"
     int8_activations: bool = False  # int8_w8a8: the layer declares per-token int8 activations
     fp4_format: str | None = None  # scheme "fp4": "nvfp4" | "mxfp4"
+    codebook: str = ""  # "nf4": bitsandbytes' value table (tile_lut4)
 
     def spec(self, n: int, k: int) -> LinearSpec:
         if self.scheme == "fp4":
@@ -91,6 +92,7 @@ class Variant:
             block_size=self.block_size,
             act_dtype="bfloat16",
             int8_activations=self.int8_activations,
+            codebook=self.codebook,
         )
 
 
@@ -98,6 +100,9 @@ VARIANTS = (
     Variant("tile W4A16 g128", "tile_wna16", "int"),
     Variant("tile W4A16 asym g128", "tile_wna16", "int", symmetric=False),
     Variant("tile W8A16 channel", "tile_wna16", "int", bits=8, group_size=-1),
+    Variant("tile W6A16 g16 (GGUF Q6_K, byte codes)", "tile_wna16", "int", bits=6, group_size=16),
+    Variant("tile_lut4 nf4 g64 (bitsandbytes)", "tile_lut4", "int", group_size=64, codebook="nf4"),
+    Variant("gptq W6A16 g16 (GGUF Q6_K, byte codes)", "gptq_wna16", "int", bits=6, group_size=16),
     Variant("tile W4A16 asym g128 act-order", "tile_wna16", "int", symmetric=False, act_order=True),
     Variant("marlin W4A16 g128", "marlin_wna16", "int"),
     Variant("marlin W4A16 asym g128 act-order", "marlin_wna16", "int", symmetric=False, act_order=True),
@@ -128,6 +133,13 @@ def make_weight(v: Variant, n: int, k: int, dense: torch.Tensor) -> IntWeight | 
         return quantize_fp8(dense, v.fp8_strategy, block_size=v.block_size or (128, 128))  # type: ignore[arg-type]
     g = k if v.group_size == -1 else v.group_size
     groups = k // g
+    if v.codebook:  # NF4: the nearest of 16 normal quantiles of each group's absmax-scaled weights
+        table = torch.erfinv(torch.linspace(-0.92, 0.92, 16, dtype=torch.float64)).float()
+        table = table / table.abs().max()
+        absmax = dense.reshape(n, groups, g).abs().amax(-1).clamp(min=1e-8)  # (N, G)
+        scaled = dense.reshape(n, groups, g) / absmax[..., None]
+        codes = (scaled[..., None] - table).abs().argmin(-1).reshape(n, k).to(torch.uint8)
+        return IntWeight(codes, absmax.T.contiguous(), 4, g, codebook=table)
     # act-order: channel c belongs to group g_idx[c]; quantize each group's (scattered) channels
     g_idx = (torch.randperm(k) // g).to(torch.int32) if v.act_order else None
     order = torch.argsort(g_idx.long(), stable=True) if g_idx is not None else torch.arange(k)
