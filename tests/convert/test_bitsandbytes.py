@@ -128,6 +128,19 @@ def test_every_target_plans_and_every_layer_is_bitsandbytes_dequantization(
                 assert torch.equal(got, want), (r.target, layer)
 
 
+def test_nf4_layers_split_over_tensor_parallel_ranks(
+    tiny: dict[str, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path
+) -> None:
+    """tp=2: column-parallel q/k/v and gate/up keep their value table and absmax rows, row-parallel
+    o/down their groups of K; every rank verifies against the source."""
+    src, _ = tiny["nf4-dq"]
+    results = convert(ConversionRequest(str(src), ["cpu", "sm90"], tp=2, out=str(tmp_path / "out")))
+    for r in results:
+        assert r.manifest.tp == 2 and r.manifest.verification.ok, (r.target, r.manifest.verification)
+        kernels = {e.kernel for n, e in r.manifest.layers.items() if n != "lm_head"}
+        assert kernels == {"cpu_lut4" if r.target.value == "cpu" else "tile_lut4"}, kernels
+
+
 def test_smollm2_nf4_serves_bitsandbytes_log_probs(tmp_path: Path) -> None:
     """SmolLM2-135M quantized to NF4 (double quantization) by bitsandbytes: the CPU artifact's prompt
     log-probs match transformers in fp32 on bitsandbytes' dequantized weights."""

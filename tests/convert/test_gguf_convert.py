@@ -158,6 +158,7 @@ def test_a_q4_k_m_mixture_plans_for_every_target_converts_exactly_and_serves(tmp
     kiln = {r.layer: r.kernel for r in plan(str(path), "sm90", gpu_layout="kiln").rows}
     assert set(kiln.values()) == {"tile_wna16"}
     results = convert(ConversionRequest(str(path), ["cpu", "sm80"], out=str(tmp_path / "out")))
+    results += convert(ConversionRequest(str(path), ["sm90"], tp=2, out=str(tmp_path / "tp2")))
     for r in results:
         v = r.manifest.verification
         assert v.ok and v.layers_checked == 9, (r.target, v)
