@@ -184,8 +184,9 @@ class IntWeight:
             return torch.zeros(k, dtype=torch.long)
         return torch.arange(k) // self.group_size
 
-    def rows(self, rows: slice) -> IntWeight:
-        """Output channels `rows` (views: their codes, scales, zero points and minimums; no bias)."""
+    def rows(self, rows: slice | torch.Tensor) -> IntWeight:
+        """Output channels `rows` (a slice: views of their codes, scales, zero points and minimums; an
+        index tensor: copies in its order); no bias."""
 
         def cols(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:, rows]

@@ -25,27 +25,28 @@ import torch
 
 from kernels.base import (
     CpuKernel,
+    DecodedLayoutKernel,
     IntWeight,
     LinearSpec,
-    RowBlocks,
     SourceWeight,
     StoredTensor,
     Target,
-    row_block_slices,
     with_bias,
 )
 
 CODE_BITS = 4
 
 
-class CpuLut4Kernel(CpuKernel):
+class CpuLut4Kernel(DecodedLayoutKernel, CpuKernel):
+    """Dequantizes through the stored weight (`stored_int_weight`, the value table kept)."""
+
     name = "cpu_lut4"
     layout_version = 1
     schemes = frozenset({"int"})
     takes_codebook = True
     cpu_act_dtype = torch.float32
     description = (
-        "NF4 / FP4 value-table weight-only (bitsandbytes), codes + fp32 absmax (lossless), bf16 GEMM"
+        "NF4 / FP4 value-table weight-only (bitsandbytes), codes + fp32 absmax (lossless), fp32 GEMM"
     )
 
     def supports(self, spec: LinearSpec, target: Target) -> tuple[bool, str]:
@@ -86,17 +87,6 @@ class CpuLut4Kernel(CpuKernel):
             _codes(tensors["qweight"]), tensors["scales"].T, CODE_BITS, spec.group_size,
             codebook=tensors["codebook"],
         )  # fmt: skip
-
-    def dequantized_rows(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> RowBlocks:
-        pairs = pair_table(tensors["codebook"])
-        for rows in row_block_slices(spec.n, spec.k):
-            yield rows, _values(tensors["qweight"][rows], tensors["scales"][rows], pairs, spec.group_size)
-
-    def dequantize(self, tensors: dict[str, torch.Tensor], spec: LinearSpec) -> torch.Tensor:
-        out = torch.empty((spec.n, spec.k), dtype=torch.float32)
-        for rows, block in self.dequantized_rows(tensors, spec):
-            out[rows] = block
-        return out
 
     def bind_apply(
         self, tensors: dict[str, torch.Tensor], spec: LinearSpec

@@ -11,6 +11,8 @@ marlin_repeat_scales_on_all_ranks. lm_head, embeddings and norms are replicated 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kernels.base import DenseWeight, Fp4Weight, Fp8Weight, IntWeight, SourceWeight, weight_shape
@@ -23,17 +25,7 @@ def slice_rows(w: SourceWeight, r: RowRange, name: str) -> SourceWeight:
     s, e = r.start, r.start + r.size
     bias = None if w.bias is None else w.bias[s:e]
     if isinstance(w, IntWeight):
-        return IntWeight(
-            codes=w.codes[s:e],
-            scales=w.scales[:, s:e],
-            bits=w.bits,
-            group_size=w.group_size,
-            zeros=None if w.zeros is None else w.zeros[:, s:e],
-            g_idx=w.g_idx,
-            bias=bias,
-            mins=None if w.mins is None else w.mins[:, s:e],
-            codebook=w.codebook,
-        )
+        return dataclasses.replace(w.rows(slice(s, e)), bias=bias)
     if isinstance(w, Fp8Weight):
         n = w.weight.shape[0]
         if w.strategy == "tensor":
@@ -82,8 +74,8 @@ def slice_cols(w: SourceWeight, rank: int, tp: int, name: str) -> SourceWeight:
             zeros = None if w.zeros is None else w.zeros[s // gs : e // gs]
             mins = None if w.mins is None else w.mins[s // gs : e // gs]
             g_idx = None
-        return IntWeight(
-            w.codes[:, s:e], scales, w.bits, w.group_size, zeros, g_idx, w.bias, mins, w.codebook
+        return dataclasses.replace(
+            w, codes=w.codes[:, s:e], scales=scales, zeros=zeros, g_idx=g_idx, mins=mins
         )
     if isinstance(w, Fp8Weight):
         scale = w.scale
@@ -133,16 +125,13 @@ def fuse(parts: list[SourceWeight], names: list[str]) -> SourceWeight:
                     f"shards {names[0]} and {name} have different value tables (quant_map); a fused layer "
                     "needs one (re-quantize them with the same bitsandbytes quant type)"
                 )
-        return IntWeight(
+        return dataclasses.replace(
+            ints[0],
             codes=torch.cat([p.codes for p in ints]),
             scales=torch.cat([p.scales for p in ints], dim=1),
-            bits=ints[0].bits,
-            group_size=ints[0].group_size,
             zeros=None if ints[0].zeros is None else torch.cat([p.zeros for p in ints], dim=1),  # type: ignore[misc]
-            g_idx=ints[0].g_idx,
             bias=bias,
             mins=None if ints[0].mins is None else torch.cat([p.mins for p in ints], dim=1),  # type: ignore[misc]
-            codebook=ints[0].codebook,
         )
     if all(isinstance(p, Fp8Weight) for p in parts):
         fps: list[Fp8Weight] = parts  # type: ignore[assignment]
@@ -233,11 +222,7 @@ def interleave_halves(w: SourceWeight, name: str) -> SourceWeight:
         return flat[:1]
 
     if isinstance(w, IntWeight):
-        return IntWeight(
-            w.codes[order], w.scales[:, order], w.bits, w.group_size,
-            None if w.zeros is None else w.zeros[:, order], w.g_idx, bias,
-            None if w.mins is None else w.mins[:, order], w.codebook,
-        )  # fmt: skip
+        return dataclasses.replace(w.rows(order), bias=bias)
     if isinstance(w, Fp8Weight):
         if w.strategy == "block":
             raise UnsupportedError(f"{name}: FP8 block scales cannot follow gate/up rows interleaved")

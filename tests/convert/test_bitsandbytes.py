@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from devtools.builders import smollm2
 from devtools.builders.tiny_artifacts import save_checkpoint, tiny_hf_model
-from devtools.eval import runtime_logits_fn
-from kernels.registry import get_kernel
-from runtime.loader import load_model
 from services.convert.library import ConversionRequest, convert, plan
+from tests.helpers.producers import producer_rows, served_log_prob_delta, stored_layers, with_weights
 
 bnb = pytest.importorskip("bitsandbytes")
 F = pytest.importorskip("bitsandbytes.functional")
@@ -113,14 +110,8 @@ def test_every_target_plans_and_every_layer_is_bitsandbytes_dequantization(
         assert r.manifest.verification.ok and r.manifest.source.format == "bitsandbytes", (
             r.manifest.verification
         )
-        stored = load_file(str(Path(r.uri.removeprefix("file://")) / "rank0.safetensors"))
-        for layer, entry in r.manifest.layers.items():
-            if entry.kernel == "dense":
-                continue
-            spec = entry.linear_spec()
-            tensors = {k[len(layer) + 1 :]: v for k, v in stored.items() if k.startswith(layer + ".")}
-            got = get_kernel(entry.kernel).dequantize(tensors, spec)
-            want = torch.cat([reference[s.name] for s in spec.shards] if spec.shards else [reference[layer]])
+        for layer, spec, got in stored_layers(r):
+            want = producer_rows(reference, spec, layer)
             if kind == "int8":
                 rel = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
                 assert rel <= INT8_REL_TOL, (r.target, layer, rel)
@@ -151,21 +142,15 @@ def test_smollm2_nf4_serves_bitsandbytes_log_probs(tmp_path: Path) -> None:
     except smollm2.CheckpointUnavailable as e:
         pytest.skip(str(e))
     quantized = _quantized(src, tmp_path / "nf4", "nf4-dq")
-    reference = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-    modules = dict(reference.named_modules())
-    with torch.no_grad():
-        for name, w in _bnb_weights(quantized).items():
-            modules[name].weight.copy_(w)
+    original = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    reference = with_weights(original, _bnb_weights(quantized))
     del quantized
     [r] = convert(
         ConversionRequest(str(tmp_path / "nf4"), ["cpu"], out=str(tmp_path / "out"), quantize_head="none")
     )
     assert r.manifest.verification.ok
     assert {e.kernel for n, e in r.manifest.layers.items() if n != "lm_head"} == {"cpu_lut4"}
-    ids = torch.tensor([[1, 9690, 42, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2]])
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(r.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    diff = (got - want).abs().mean().item()
+    prompt = [[1, 9690, 42, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2]]
+    diff = served_log_prob_delta(r.uri, reference, prompt)
     print(f"\nSmolLM2 NF4 (bitsandbytes) on cpu_lut4: mean |Δ log-prob| {diff:.4f}")
     assert diff <= LOGPROB_MEAN_ABS_TOL

@@ -27,6 +27,7 @@ from runtime.loader import load_model
 from services.convert.errors import ConversionError
 from services.convert.gguf import checkpoint as gguf_checkpoint
 from services.convert.library import ConversionRequest, convert, plan
+from tests.helpers.producers import served_log_prob_delta
 
 NATIVE = {"self_attn": Q.Q4_0, "mlp.gate_proj": Q.Q4_0, "mlp.up_proj": Q.Q4_0, "mlp.down_proj": Q.Q8_0,
           "lm_head": Q.Q8_0, "embed_tokens": Q.Q8_0}  # fmt: skip
@@ -97,11 +98,7 @@ def test_float_minimum_types_run_on_cpu_int4(tmp_path: Path) -> None:
     ]
     [r] = convert(ConversionRequest(str(path), ["cpu"], out=str(tmp_path / "out"), int8_activations=False))
     assert r.manifest.verification.ok and r.manifest.verification.layers_checked == 9
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(r.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(r.uri, reference, [PROMPT]) <= LOGPROB_MEAN_ABS_TOL
 
 
 def test_5_and_6_bit_types_run_dense_on_cpu_byte_codes_on_gpus_and_fp8_anywhere(tmp_path: Path) -> None:
@@ -163,11 +160,7 @@ def test_a_q4_k_m_mixture_plans_for_every_target_converts_exactly_and_serves(tmp
         v = r.manifest.verification
         assert v.ok and v.layers_checked == 9, (r.target, v)
     cpu = next(r for r in results if r.target.value == "cpu")
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(cpu.uri, reference, [PROMPT]) <= LOGPROB_MEAN_ABS_TOL
 
 
 def test_fused_shards_that_do_not_re_encode_exactly_are_refused(tmp_path: Path) -> None:
@@ -264,11 +257,7 @@ def test_qwen3_moe_gguf_experts_become_expert_groups(tmp_path: Path, experts: Q)
         v = r.manifest.verification
         assert v.ok and set(r.manifest.expert_groups) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}, v
     cpu = next(r for r in results if r.target.value == "cpu")
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(cpu.uri, reference, [PROMPT]) <= LOGPROB_MEAN_ABS_TOL
 
 
 def test_q4_k_m_experts_with_a_q6_k_down_projection_become_one_expert_group(tmp_path: Path) -> None:
@@ -286,11 +275,7 @@ def test_q4_k_m_experts_with_a_q6_k_down_projection_become_one_expert_group(tmp_
         v = r.manifest.verification
         assert v.ok and set(r.manifest.expert_groups) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}, v
     cpu = next(r for r in results if r.target.value == "cpu")
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= MOE_LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(cpu.uri, reference, [PROMPT]) <= MOE_LOGPROB_MEAN_ABS_TOL
 
 
 def test_a_gguf_on_s3_converts_through_ranged_reads(tmp_path: Path, s3_bucket: str) -> None:

@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from devtools.builders.tiny_artifacts import save_checkpoint, tiny_hf_model
-from devtools.eval import runtime_logits_fn
 from kernels.errors import UnsupportedError
-from runtime.loader import load_model
 from services.convert.library import ConversionRequest, convert, plan
+from tests.helpers.producers import served_log_prob_delta, with_weights
 
 FP8_MAX = 448.0
 LOGPROB_MEAN_ABS_TOL = 0.05  # bf16 / per-token FP8 activations against the fp32 reference
@@ -88,17 +87,9 @@ def test_quark_fp8_plans_everywhere_converts_exactly_and_serves(tmp_path: Path, 
     for r in results:
         v = r.manifest.verification
         assert v.ok and v.layers_checked == 9 and r.manifest.source.format == "quark", v
-    reference = model.float()
-    modules = dict(reference.named_modules())
-    with torch.no_grad():
-        for name, w in weights.items():
-            modules[name].weight.copy_(w)
+    reference = with_weights(model, weights)
     cpu = next(r for r in results if r.target.value == "cpu")
-    ids = torch.tensor(PROMPT)
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(cpu.uri, reference, PROMPT) <= LOGPROB_MEAN_ABS_TOL
 
 
 @pytest.mark.parametrize(

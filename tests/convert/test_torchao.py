@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from devtools.builders.tiny_artifacts import save_checkpoint, tiny_hf_model
-from devtools.eval import runtime_logits_fn
-from kernels.registry import get_kernel
-from runtime.loader import load_model
 from services.convert.library import ConversionRequest, convert, plan
+from tests.helpers.producers import producer_rows, served_log_prob_delta, stored_layers, with_weights
 
 torchao = pytest.importorskip("torchao")
 
@@ -74,29 +71,15 @@ def test_torchao_checkpoints_plan_everywhere_and_equal_torchaos_dequantization(
     )  # type: ignore[arg-type]
     for r in results:
         assert r.manifest.verification.ok and r.manifest.source.format == "torchao"
-        stored = load_file(str(Path(r.uri.removeprefix("file://")) / "rank0.safetensors"))
-        for layer, entry in r.manifest.layers.items():
-            if entry.kernel == "dense":
-                continue
-            spec = entry.linear_spec()
-            tensors = {k[len(layer) + 1 :]: v for k, v in stored.items() if k.startswith(layer + ".")}
-            got = get_kernel(entry.kernel).dequantize(tensors, spec)
-            want = torch.cat([producer[s.name] for s in spec.shards] if spec.shards else [producer[layer]])
+        for layer, spec, got in stored_layers(r):
+            want = producer_rows(producer, spec, layer)
             # torchao dequantizes into its bf16 dtype; the kernels keep its bf16 scales (cpu_int4: the
             # asymmetric offset exact in fp32 beside them): within bf16 steps of the row's largest weight
             bound = 2.0**-7 * want.abs().amax(dim=1, keepdim=True)
             assert bool(((got - want).abs() <= bound).all()), (r.target, layer)
-    reference = model.float()
-    modules = dict(reference.named_modules())
-    with torch.no_grad():
-        for name, w in producer.items():
-            modules[name].weight.copy_(w)
+    reference = with_weights(model, producer)
     cpu = next(r for r in results if r.target.value == "cpu")
-    ids = torch.tensor(PROMPT)
-    with torch.inference_mode():
-        got = runtime_logits_fn(load_model(cpu.uri))(ids)[0].float().log_softmax(-1)
-        want = reference(ids).logits[0].float().log_softmax(-1)
-    assert (got - want).abs().mean().item() <= LOGPROB_MEAN_ABS_TOL
+    assert served_log_prob_delta(cpu.uri, reference, PROMPT) <= LOGPROB_MEAN_ABS_TOL
 
 
 def test_torchao_configs_kiln_does_not_read_are_refused_with_the_supported_list(
